@@ -1,0 +1,55 @@
+"""The ``torchpass`` command: ``launch`` a job with spares, or run the ``demo``."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from torchpass_plugins.launcher import LaunchConfig, launch
+
+
+def _launch_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("launch", help="start and supervise the workers of this node (torchrun-like)")
+    p.add_argument("--nproc-per-node", type=int, default=1, help="worker processes on this node, spares included")
+    p.add_argument("--nnodes", type=int, default=1)
+    p.add_argument("--node-rank", type=int, default=0)
+    p.add_argument("--rdzv-endpoint", default="127.0.0.1:0", help="HOST:PORT of node 0's store (port 0: any free)")
+    p.add_argument("--spares", type=int, default=0, help="workers that wait to replace failed ones (job-wide)")
+    p.add_argument("--run-dir", default="torchpass_runs/latest", help="where events.jsonl is written")
+    p.add_argument("--heartbeat-timeout", type=float, default=30.0, help="seconds without a beat before SIGKILL")
+    p.add_argument("--heartbeat-interval", type=float, default=0.5)
+    p.add_argument("--no-refill", dest="refill", action="store_false", help="do not restart failed slots as spares")
+    p.add_argument("--seed", type=int, default=None, help="job seed for per-step RNG (default: from PL_GLOBAL_SEED)")
+    p.add_argument("script", help="training script (or -m module)")
+    p.add_argument("args", nargs=argparse.REMAINDER)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="torchpass", description=__doc__)
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    _launch_parser(sub)
+    demo = sub.add_parser("demo", help="3 active + 1 spare train, one is SIGKILLed, and the result is compared")
+    demo.add_argument("--steps", type=int, default=60)
+    demo.add_argument("--run-dir", default="torchpass_runs/demo")
+    ns = parser.parse_args(argv)
+    if ns.cmd == "demo":
+        from torchpass_plugins.demo.runner import run_demo
+
+        return run_demo(steps=ns.steps, run_dir=ns.run_dir)
+    command = [ns.script, *ns.args] if ns.script != "-m" else ["-m", *ns.args]
+    config = LaunchConfig(
+        command=command, nproc_per_node=ns.nproc_per_node, nnodes=ns.nnodes, node_rank=ns.node_rank,
+        rdzv_endpoint=ns.rdzv_endpoint, spares=ns.spares, run_dir=ns.run_dir,
+        heartbeat_timeout=ns.heartbeat_timeout, heartbeat_interval=ns.heartbeat_interval, refill=ns.refill,
+        token=os.environ.get("TORCHPASS_JOIN_TOKEN", ""), seed=ns.seed,
+    )
+    try:
+        config.validate()
+    except ValueError as exc:
+        parser.error(str(exc))
+    return launch(config)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

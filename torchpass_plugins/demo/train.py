@@ -1,0 +1,100 @@
+"""The demo's training script: a plain Lightning script, as a user would write it.
+
+It uses a shuffled map-style dataset (Lightning's DistributedSampler), dropout, AdamW, a per-step LR
+scheduler, gradient accumulation and ``self.log(..., sync_dist=True)``; the only torchpass lines are the
+import and ``strategy="torchpass_ddp"``. With ``--out DIR`` it writes the final weights (rank 0) and, for
+every logical rank, the optimizer steps it applied, so runs can be compared bit for bit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+import lightning as L
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import torchpass_plugins  # noqa: F401  (registers "torchpass_ddp")
+from torchpass_plugins import TorchPassCallback
+
+
+def make_dataset(samples: int = 480, features: int = 16, classes: int = 4) -> TensorDataset:
+    g = torch.Generator().manual_seed(1234)
+    x = torch.randn(samples, features, generator=g)
+    w = torch.randn(features, classes, generator=g)
+    y = (x @ w + 0.1 * torch.randn(samples, classes, generator=g)).argmax(dim=1)
+    return TensorDataset(x, y)
+
+
+class Classifier(L.LightningModule):
+    def __init__(self, features: int = 16, hidden: int = 64, classes: int = 4, lr: float = 3e-3) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.net = nn.Sequential(
+            nn.Linear(features, hidden), nn.ReLU(), nn.Dropout(0.2), nn.Linear(hidden, hidden), nn.ReLU(),
+            nn.Dropout(0.2), nn.Linear(hidden, classes),
+        )
+        self.out_dir: Path | None = None
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = nn.functional.cross_entropy(self.net(x), y)
+        self.log("train_loss", loss, sync_dist=True, prog_bar=True)
+        return loss
+
+    def on_before_optimizer_step(self, optimizer) -> None:
+        # Runs once the reduced gradient is committed: the step is then applied exactly here.
+        if self.out_dir is not None:
+            with open(self.out_dir / f"applied_rank{self.global_rank}.txt", "a") as f:
+                f.write(f"{self.trainer.global_step}\n")
+
+    def configure_optimizers(self):
+        opt = torch.optim.AdamW(self.parameters(), lr=self.hparams.lr, weight_decay=0.01)
+        sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=self.hparams.lr, total_steps=10_000)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--devices", type=int, default=3)
+    p.add_argument("--num-nodes", type=int, default=1)
+    p.add_argument("--max-steps", type=int, default=30)
+    p.add_argument("--accumulate", type=int, default=2)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--progress", action="store_true")
+    args = p.parse_args(argv)
+
+    L.seed_everything(7)
+    model = Classifier()
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        model.out_dir = args.out
+    loader = DataLoader(make_dataset(), batch_size=args.batch_size, shuffle=True)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        strategy="torchpass_ddp",
+        devices=args.devices,
+        num_nodes=args.num_nodes,
+        max_steps=args.max_steps,
+        accumulate_grad_batches=args.accumulate,
+        callbacks=[TorchPassCallback()],
+        enable_checkpointing=False,
+        logger=False,
+        enable_progress_bar=args.progress,
+        enable_model_summary=False,
+    )
+    trainer.fit(model, loader)
+    if args.out is not None and trainer.global_rank == 0:
+        state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        opt_state = trainer.optimizers[0].state_dict()["state"]
+        torch.save({"weights": state, "global_step": trainer.global_step,
+                    "adam_steps": [float(s["step"]) for s in opt_state.values()], "pid": os.getpid()},
+                   args.out / "final.pt")
+
+
+if __name__ == "__main__":
+    main()

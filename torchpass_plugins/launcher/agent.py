@@ -1,0 +1,226 @@
+"""The per-node agent behind ``torchpass launch``: starts one worker per slot and supervises them.
+
+Unlike torchrun's agent it never tears down healthy workers when one exits. It reports each exit to the
+coordinator at once, SIGKILLs a worker whose heartbeat lapses (turning a hang into a crash the peers
+see), and by default starts a fresh worker in the freed slot, which joins the spare pool.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch.distributed as dist
+
+from torchpass_plugins.events import EventLog
+from torchpass_plugins.launcher.coordinator import DONE_KEY, Coordinator
+from torchpass_plugins.membership import ABORT_KEY, EXIT_QUEUE, WorkerEnv, connect_store, heartbeat_key, prefixed
+
+_TICK = 0.05
+_AGENTS_DONE = "agents_done"
+
+
+@dataclass
+class LaunchConfig:
+    """The flags of ``torchpass launch`` (torchrun-like, plus spares and supervision)."""
+
+    command: list[str]
+    nproc_per_node: int = 1
+    nnodes: int = 1
+    node_rank: int = 0
+    rdzv_endpoint: str = "127.0.0.1:0"
+    spares: int = 0
+    run_dir: str = "torchpass_runs/latest"
+    heartbeat_timeout: float = 30.0
+    heartbeat_interval: float = 0.5
+    refill: bool = True
+    token: str = ""
+    seed: int | None = None
+
+    @property
+    def processes(self) -> int:
+        return self.nnodes * self.nproc_per_node
+
+    @property
+    def world_size(self) -> int:
+        return self.processes - self.spares
+
+    def validate(self) -> None:
+        if self.nproc_per_node < 1 or self.nnodes < 1:
+            raise ValueError("--nproc-per-node and --nnodes must be at least 1")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"--node-rank must be in [0, {self.nnodes}), got {self.node_rank}")
+        if self.spares < 0:
+            raise ValueError(f"--spares must be >= 0, got {self.spares}")
+        if self.spares >= self.processes:
+            raise ValueError(
+                f"--spares {self.spares} leaves no active rank among {self.processes} processes "
+                f"({self.nnodes} node(s) x {self.nproc_per_node}); use fewer spares or more processes"
+            )
+        if self.heartbeat_timeout <= self.heartbeat_interval:
+            raise ValueError("--heartbeat-timeout must exceed the heartbeat interval")
+        if self.nnodes > 1 and not self.token:
+            raise ValueError("multi-node jobs need the same join token on every node: set TORCHPASS_JOIN_TOKEN")
+        if self.nnodes > 1 and self.rdzv_endpoint.endswith(":0"):
+            raise ValueError("multi-node jobs need a fixed --rdzv-endpoint HOST:PORT reachable from every node")
+        if not self.command:
+            raise ValueError("no training script given")
+
+
+@dataclass
+class _Slot:
+    index: int
+    incarnation: int = 0
+    proc: subprocess.Popen | None = None
+    worker_id: str = ""
+    beats: int = 0
+    last_change: float = field(default_factory=time.monotonic)
+
+
+class Agent:
+    """Supervises the workers of one node; node 0's agent also hosts the store and the coordinator."""
+
+    def __init__(self, config: LaunchConfig) -> None:
+        config.validate()
+        self.config = config
+        self.token = config.token or secrets.token_hex(16)
+        seed_src = str(config.seed) if config.seed is not None else self.token
+        self.seed = config.seed if config.seed is not None else int(hashlib.sha256(seed_src.encode()).hexdigest()[:8], 16)
+        self.events = EventLog(Path(config.run_dir) / "events.jsonl", source=f"agent{config.node_rank}")
+        self.slots = [_Slot(i) for i in range(config.nproc_per_node)]
+        self._stop = threading.Event()
+        self._signal: int | None = None
+
+    def run(self) -> int:
+        cfg = self.config
+        master = cfg.node_rank == 0
+        self._client = connect_store(cfg.rdzv_endpoint, is_master=master)
+        self.endpoint = f"{cfg.rdzv_endpoint.rsplit(':', 1)[0]}:{self._client.port}"
+        self.store = prefixed(self._client)
+        coordinator_thread = None
+        if master:
+            self.coordinator = Coordinator(prefixed(self._client.clone()), self.token, cfg.processes,
+                                           cfg.world_size, self.events)
+            coordinator_thread = threading.Thread(target=self.coordinator.run, args=(self._stop,), daemon=True)
+            coordinator_thread.start()
+        self._install_signals()
+        self.events.emit("agent_started", node=cfg.node_rank, endpoint=self.endpoint, slots=cfg.nproc_per_node,
+                         spares=cfg.spares, world_size=cfg.world_size)
+        for slot in self.slots:
+            self._spawn(slot)
+        try:
+            code = self._supervise()
+        finally:
+            self._kill_all()
+            self.store.add(_AGENTS_DONE, 1)
+            if master:
+                self._wait_other_agents()
+            self._stop.set()
+            if coordinator_thread:
+                coordinator_thread.join(timeout=5)
+        return code
+
+    # -- workers --------------------------------------------------------------------------------------
+    def _spawn(self, slot: _Slot) -> None:
+        cfg = self.config
+        slot.worker_id = f"n{cfg.node_rank}-s{slot.index}-i{slot.incarnation}"
+        env = WorkerEnv(
+            store=self.endpoint, token=self.token, worker_id=slot.worker_id, world_size=cfg.world_size,
+            node_rank=cfg.node_rank, local_slot=slot.index, run_dir=str(Path(cfg.run_dir).resolve()),
+            seed=self.seed, heartbeat_interval=cfg.heartbeat_interval,
+        )
+        slot.proc = subprocess.Popen(
+            [sys.executable, "-u", *cfg.command],
+            env={**os.environ, **env.to_env(), "PYTHONUNBUFFERED": "1"},
+            start_new_session=True,
+        )
+        slot.beats, slot.last_change = 0, time.monotonic()
+        self.events.emit("worker_started", worker=slot.worker_id, pid=slot.proc.pid, slot=slot.index)
+
+    def _supervise(self) -> int:
+        cfg = self.config
+        while True:
+            if self._signal is not None:
+                self.events.emit("agent_signalled", signal=self._signal)
+                return 128 + self._signal
+            aborted = self.store.check([ABORT_KEY])
+            if aborted:
+                message = self.store.get(ABORT_KEY).decode()
+                print(f"torchpass: job aborted: {message}", file=sys.stderr, flush=True)
+                return 1
+            done = self.store.check([DONE_KEY])
+            alive = 0
+            for slot in self.slots:
+                if slot.proc is None:
+                    continue
+                code = slot.proc.poll()
+                if code is None:
+                    alive += 1
+                    self._check_heartbeat(slot)
+                    continue
+                self._report_exit(slot, code)
+                slot.proc = None
+                if code != 0 and cfg.refill and not done:
+                    slot.incarnation += 1
+                    self._spawn(slot)
+                    alive += 1
+            if alive == 0:
+                return 0 if done and self.store.get(DONE_KEY).decode() == "done" else 1
+            time.sleep(_TICK)
+
+    def _check_heartbeat(self, slot: _Slot) -> None:
+        beats = int(self.store.add(heartbeat_key(slot.worker_id), 0))
+        now = time.monotonic()
+        if beats != slot.beats:
+            slot.beats, slot.last_change = beats, now
+        elif beats > 0 and now - slot.last_change > self.config.heartbeat_timeout:
+            self.events.emit("hang_detected", worker=slot.worker_id, silent_s=now - slot.last_change)
+            slot.proc.kill()
+            slot.proc.wait()
+
+    def _report_exit(self, slot: _Slot, code: int) -> None:
+        why = f"signal {-code}" if code < 0 else f"exit code {code}"
+        self.events.emit("worker_exited", worker=slot.worker_id, code=code, why=why)
+        self.store.queue_push(EXIT_QUEUE, json.dumps({"worker": slot.worker_id, "code": code, "why": why}))
+
+    def _kill_all(self) -> None:
+        procs = [s.proc for s in self.slots if s.proc is not None and s.proc.poll() is None]
+        for p in procs:
+            p.terminate()
+        deadline = time.monotonic() + 5
+        for p in procs:
+            try:
+                p.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+    def _wait_other_agents(self, timeout: float = 60.0) -> None:
+        """Node 0 hosts the store: keep it up until every agent has finished with it."""
+        deadline = time.monotonic() + timeout
+        while int(self.store.add(_AGENTS_DONE, 0)) < self.config.nnodes and time.monotonic() < deadline:
+            time.sleep(_TICK)
+
+    def _install_signals(self) -> None:
+        def handler(signum, _frame) -> None:
+            self._signal = signum
+
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, handler)
+
+
+def launch(config: LaunchConfig) -> int:
+    try:
+        return Agent(config).run()
+    except dist.DistStoreError as exc:
+        print(f"torchpass: cannot reach the job's store at {config.rdzv_endpoint}: {exc}", file=sys.stderr)
+        return 1

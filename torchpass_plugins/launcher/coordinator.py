@@ -1,0 +1,146 @@
+"""The coordinator: decides rosters. It runs as a thread of node 0's agent, never in a training worker.
+
+Inputs arrive through two store queues: workers announce themselves on ``joins``; agents report every
+worker exit on ``exits`` (at once, faster than any heartbeat). Outputs are rosters (``roster/{gen}``) and
+assignments (``assign/{worker}``). One failure costs O(world size) small keys.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch.distributed as dist
+
+from torchpass_plugins.events import EventLog
+from torchpass_plugins.membership import (
+    ABORT_KEY,
+    EXIT_QUEUE,
+    JOIN_QUEUE,
+    Roster,
+    assign_key,
+    roster_key,
+)
+
+DONE_KEY = "done"
+
+
+def slot_order(worker_id: str) -> tuple[int, int, int]:
+    """Workers are named ``n{node}-s{slot}-i{incarnation}``; initial ranks follow (node, slot)."""
+    node, slot, inc = (int(part[1:]) for part in worker_id.split("-"))
+    return node, slot, inc
+
+
+@dataclass
+class Coordinator:
+    store: dist.Store
+    token: str
+    processes: int
+    world_size: int
+    events: EventLog
+    gen: int = -1
+    ranks: list[str] = field(default_factory=list)
+    spares: deque = field(default_factory=deque)
+    finished: set[int] = field(default_factory=set)
+    outcome: str | None = None  # "done" or the abort message
+    _waiting: list[str] = field(default_factory=list)
+
+    def run(self, stop: threading.Event, tick: float = 0.02) -> None:
+        while not stop.wait(tick):
+            self.poll()
+
+    def poll(self) -> None:
+        for worker_id in self._drain(JOIN_QUEUE):
+            self._on_join(worker_id)
+        lost: list[int] = []
+        for report in map(json.loads, self._drain(EXIT_QUEUE)):
+            self._on_exit(report["worker"], report["code"], report.get("why", ""), lost)
+        if lost and self.outcome is None:
+            self._replace(lost)
+
+    def _drain(self, queue: str) -> list[str]:
+        items = []
+        while self.store.queue_len(queue) > 0:
+            items.append(self.store.queue_pop(queue, block=False).decode())
+        return items
+
+    def _on_join(self, worker_id: str) -> None:
+        if self.store.get(f"join/{worker_id}").decode() != self.token:
+            self.store.set(assign_key(worker_id), json.dumps({"reject": "wrong join token"}))
+            self.events.emit("join_rejected", worker=worker_id)
+            return
+        if self.gen < 0:
+            self._waiting.append(worker_id)
+            if len(self._waiting) == self.processes:
+                ordered = sorted(self._waiting, key=slot_order)
+                self.ranks = ordered[: self.world_size]
+                self.spares.extend(ordered[self.world_size :])
+                self._publish(Roster(0, tuple(self.ranks), reason="start"), {w: r for r, w in enumerate(self.ranks)})
+        elif self.outcome is None:
+            self.spares.append(worker_id)
+            self.events.emit("spare_joined", worker=worker_id, spares=len(self.spares))
+        else:
+            self.store.set(assign_key(worker_id), json.dumps({"exit": self.outcome}))
+
+    def _on_exit(self, worker_id: str, code: int, why: str, lost: list[int]) -> None:
+        if worker_id in self.spares:
+            self.spares.remove(worker_id)
+            self.events.emit("spare_lost", worker=worker_id, code=code, spares=len(self.spares))
+            return
+        if worker_id not in self.ranks:
+            return
+        rank = self.ranks.index(worker_id)
+        if code == 0:
+            self.finished.add(rank)
+            if len(self.finished) == self.world_size:
+                self._finish("done")
+            return
+        self.events.emit("failure_detected", worker=worker_id, rank=rank, code=code, why=why, gen=self.gen)
+        lost.append(rank)
+
+    def _replace(self, lost: list[int]) -> None:
+        if self.finished:
+            self._abort(f"rank(s) {lost} failed after rank(s) {sorted(self.finished)} had finished training")
+            return
+        if len(lost) > len(self.spares):
+            self._abort(
+                f"{len(lost)} worker(s) lost (logical rank(s) {lost}) but {len(self.spares)} spare(s) left: "
+                "the job cannot continue without recomputation. Relaunch with more --spares, or resume "
+                "from the newest snapshot."
+            )
+            return
+        assignments = {}
+        for rank in lost:
+            spare = self.spares.popleft()
+            self.ranks[rank] = spare
+            assignments[spare] = rank
+        self._publish(Roster(self.gen + 1, tuple(self.ranks), reason=f"replace rank(s) {lost}"), assignments)
+
+    def _publish(self, roster: Roster, assignments: dict[str, int]) -> None:
+        self.store.set(roster_key(roster.gen), roster.to_json())
+        self.gen = roster.gen
+        for worker_id, rank in assignments.items():
+            self.store.set(assign_key(worker_id), json.dumps({"gen": roster.gen, "rank": rank}))
+        self.events.emit(
+            "roster_published",
+            gen=roster.gen,
+            ranks=list(roster.ranks),
+            promoted=assignments,
+            spares=len(self.spares),
+            reason=roster.reason,
+        )
+
+    def _finish(self, outcome: str) -> None:
+        self.outcome = outcome
+        for spare in self.spares:
+            self.store.set(assign_key(spare), json.dumps({"exit": outcome}))
+        self.store.set(DONE_KEY, outcome)
+        self.events.emit("job_finished", outcome=outcome)
+
+    def _abort(self, message: str) -> None:
+        self.store.set(roster_key(self.gen + 1), Roster(self.gen + 1, tuple(self.ranks), abort=message).to_json())
+        self.store.set(ABORT_KEY, message)
+        self.events.emit("job_aborted", message=message)
+        self._finish(message)

@@ -1,0 +1,81 @@
+"""What the recovery protocol needs from a Lightning ``Trainer``: step boundaries, the state a spare
+needs (everything Lightning would checkpoint) and how the spare adopts it through Lightning's own
+restore path, in memory."""
+
+from __future__ import annotations
+
+import copy
+import logging
+from typing import TYPE_CHECKING, Any
+
+from lightning.pytorch.utilities.data import _update_dataloader
+
+from torchpass_plugins.sampler import ResumeSampler
+
+if TYPE_CHECKING:
+    from torchpass_plugins.strategies.ddp import TorchPassDDPStrategy
+
+log = logging.getLogger(__name__)
+
+
+class LightningAdapter:
+    """Implements :class:`torchpass_plugins.runtime.Adapter` for a Lightning strategy."""
+
+    def __init__(self, strategy: TorchPassDDPStrategy) -> None:
+        self.strategy = strategy
+        self._resume: tuple[int, int] | None = None  # (epoch, batches already consumed in it)
+
+    @property
+    def trainer(self):
+        return self.strategy.lightning_module.trainer
+
+    def applied_steps(self) -> int:
+        return self.trainer.global_step
+
+    def boundary_snapshot(self) -> Any:
+        return copy.deepcopy(self.trainer.fit_loop.state_dict())
+
+    def boundary_state(self, snapshot: Any) -> Any:
+        checkpoint = self.trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+        if snapshot is not None:
+            checkpoint["loops"]["fit_loop"] = snapshot
+        return checkpoint
+
+    def load_state(self, checkpoint: Any) -> None:
+        # ``fit(ckpt_path=None)`` leaves this in place, so Lightning restores model, optimizers,
+        # schedulers, callbacks and loops from it exactly as from a checkpoint file.
+        self.trainer._checkpoint_connector._loaded_checkpoint = checkpoint
+        fit = checkpoint["loops"]["fit_loop"]
+        self._resume = (
+            fit["epoch_progress"]["current"]["processed"],
+            fit["epoch_loop.batch_progress"]["current"]["ready"],
+        )
+
+    def install_step_boundary(self) -> None:
+        """Mark the start of each optimizer step: before the fetch of its first batch."""
+        loop = self.trainer.fit_loop.epoch_loop
+        trainer, runtime = self.trainer, self.strategy.runtime
+        original = type(loop).advance.__get__(loop)
+
+        def advance(data_fetcher) -> None:
+            if loop.batch_progress.current.ready % trainer.accumulate_grad_batches == 0:
+                runtime.boundary(trainer.global_step)
+            original(data_fetcher)
+
+        loop.advance = advance
+
+    def resume_dataloader(self, dataloader: Any) -> Any:
+        """On a spare: start the train loader at the batch its predecessor was about to take."""
+        if self._resume is None:
+            return dataloader
+        epoch, batches = self._resume
+        self._resume = None
+        sampler = getattr(dataloader, "sampler", None)
+        if batches == 0:
+            return dataloader
+        if not hasattr(sampler, "set_epoch") or dataloader.batch_size is None:
+            raise TypeError(
+                "torchpass: a spare can only resume a map-style DataLoader with a batch_size and a sampler "
+                f"with set_epoch (e.g. DistributedSampler); got sampler {type(sampler).__name__}"
+            )
+        return _update_dataloader(dataloader, ResumeSampler(sampler, batches * dataloader.batch_size, epoch))

@@ -1,0 +1,210 @@
+"""Membership on torch's ``TCPStore``: the keys that the coordinator and the workers share.
+
+The coordinator (in the agent of node 0) writes rosters and assignments; workers register, beat, and
+watch for the next roster. Every key lives under one prefix so that a job's keys never mix with other
+users of the same store.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch.distributed as dist
+
+PREFIX = "torchpass"
+_POLL_S = 0.02
+
+
+class JobAborted(RuntimeError):
+    """The coordinator gave up on the job (for example more failures than spares)."""
+
+
+def roster_key(gen: int) -> str:
+    return f"roster/{gen}"
+
+
+def assign_key(worker_id: str) -> str:
+    return f"assign/{worker_id}"
+
+
+def heartbeat_key(worker_id: str) -> str:
+    return f"hb/{worker_id}"
+
+
+def commit_key(step: int, gen: int) -> str:
+    return f"commit/{step}/{gen}"
+
+
+EXIT_QUEUE = "exits"
+JOIN_QUEUE = "joins"
+ABORT_KEY = "abort"
+
+
+@dataclass(frozen=True)
+class Roster:
+    """Generation ``gen`` of the job: logical rank ``r`` is run by worker ``ranks[r]``."""
+
+    gen: int
+    ranks: tuple[str, ...]
+    abort: str | None = None
+    reason: str = ""
+
+    @property
+    def world_size(self) -> int:
+        return len(self.ranks)
+
+    def to_json(self) -> str:
+        return json.dumps({"gen": self.gen, "ranks": list(self.ranks), "abort": self.abort, "reason": self.reason})
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> Roster:
+        d = json.loads(text)
+        return cls(gen=d["gen"], ranks=tuple(d["ranks"]), abort=d.get("abort"), reason=d.get("reason", ""))
+
+
+def connect_store(endpoint: str, is_master: bool = False, timeout: float = 600.0) -> dist.TCPStore:
+    """Open a client (or the server, for the agent of node 0) of the job's store, under the job prefix."""
+    host, port = endpoint.rsplit(":", 1)
+    return dist.TCPStore(
+        host, int(port), is_master=is_master, timeout=timedelta(seconds=timeout), wait_for_workers=False
+    )
+
+
+def prefixed(store: dist.Store) -> dist.Store:
+    return dist.PrefixStore(PREFIX, store)
+
+
+def wait_key(store: dist.Store, key: str, stop: threading.Event | None = None, poll: float = _POLL_S) -> bytes:
+    """Block until ``key`` exists (or ``stop`` is set: then raise ``InterruptedError``) and return it.
+
+    Polls with ``check`` rather than ``Store.wait``: a timed-out wait logs a warning each time.
+    """
+    stop = stop or threading.Event()
+    while not store.check([key]):
+        if stop.wait(poll):
+            raise InterruptedError(key)
+    return store.get(key)
+
+
+@dataclass
+class WorkerEnv:
+    """What the agent tells each worker through its environment."""
+
+    store: str
+    token: str
+    worker_id: str
+    world_size: int
+    node_rank: int
+    local_slot: int
+    run_dir: str
+    seed: int
+    heartbeat_interval: float
+
+    @classmethod
+    def from_env(cls) -> WorkerEnv | None:
+        if "TORCHPASS_STORE" not in os.environ:
+            return None
+        e = os.environ
+        return cls(
+            store=e["TORCHPASS_STORE"],
+            token=e["TORCHPASS_TOKEN"],
+            worker_id=e["TORCHPASS_WORKER_ID"],
+            world_size=int(e["TORCHPASS_WORLD_SIZE"]),
+            node_rank=int(e["TORCHPASS_NODE_RANK"]),
+            local_slot=int(e["TORCHPASS_LOCAL_SLOT"]),
+            run_dir=e["TORCHPASS_RUN_DIR"],
+            seed=int(e["TORCHPASS_SEED"]),
+            heartbeat_interval=float(e["TORCHPASS_HEARTBEAT_INTERVAL"]),
+        )
+
+    def to_env(self) -> dict[str, str]:
+        return {
+            "TORCHPASS_STORE": self.store,
+            "TORCHPASS_TOKEN": self.token,
+            "TORCHPASS_WORKER_ID": self.worker_id,
+            "TORCHPASS_WORLD_SIZE": str(self.world_size),
+            "TORCHPASS_NODE_RANK": str(self.node_rank),
+            "TORCHPASS_LOCAL_SLOT": str(self.local_slot),
+            "TORCHPASS_RUN_DIR": self.run_dir,
+            "TORCHPASS_SEED": str(self.seed),
+            "TORCHPASS_HEARTBEAT_INTERVAL": str(self.heartbeat_interval),
+        }
+
+
+@dataclass
+class Member:
+    """A worker's view of the job: registration, heartbeat, assignment and the roster watch."""
+
+    env: WorkerEnv
+    store: dist.Store = field(init=False)
+    gen: int = field(init=False, default=-1)
+    latest_gen: int = field(init=False, default=-1)
+    changed: threading.Event = field(init=False, default_factory=threading.Event)
+    _stop: threading.Event = field(init=False, default_factory=threading.Event)
+    _threads: list[threading.Thread] = field(init=False, default_factory=list)
+
+    def __post_init__(self) -> None:
+        self._client = connect_store(self.env.store)
+        self.store = prefixed(self._client)
+
+    def _thread_store(self) -> dist.Store:
+        """Each thread gets its own connection: one socket is not shared between threads."""
+        return prefixed(self._client.clone())
+
+    def join(self) -> None:
+        self.store.set(f"join/{self.env.worker_id}", self.env.token)
+        self.store.queue_push(JOIN_QUEUE, self.env.worker_id)
+        self._start(self._beat, "torchpass-heartbeat")
+
+    def wait_assignment(self) -> dict:
+        """Block until the coordinator assigns this worker a logical rank (spares wait here)."""
+        return json.loads(wait_key(self.store, assign_key(self.env.worker_id), self._stop))
+
+    def roster(self, gen: int) -> Roster:
+        return Roster.from_json(self.store.get(roster_key(gen)))
+
+    def newest_roster(self) -> Roster:
+        return self.roster(self.latest_gen)
+
+    def watch_from(self, gen: int) -> None:
+        """Start (once) a thread that wakes ``changed`` whenever roster ``gen + 1``, ``gen + 2``... appears."""
+        self.gen = self.latest_gen = gen
+        if not any(t.name == "torchpass-watch" for t in self._threads):
+            self._start(self._watch, "torchpass-watch")
+
+    def _watch(self) -> None:
+        store = self._thread_store()
+        while not self._stop.is_set():
+            try:
+                wait_key(store, roster_key(self.latest_gen + 1), self._stop)
+            except InterruptedError:
+                return
+            self.latest_gen += 1
+            self.changed.set()
+
+    def _beat(self) -> None:
+        store = self._thread_store()
+        key = heartbeat_key(self.env.worker_id)
+        while not self._stop.wait(self.env.heartbeat_interval):
+            store.add(key, 1)
+
+    def _start(self, target, name: str) -> None:
+        t = threading.Thread(target=target, name=name, daemon=True)
+        t.start()
+        self._threads.append(t)
+
+    def wait_newer_than(self, gen: int) -> None:
+        """Block until a roster newer than ``gen`` is published (a peer failed; the coordinator decides)."""
+        while self.latest_gen <= gen:
+            self.changed.wait(_POLL_S)
+            self.changed.clear()
+
+    def close(self) -> None:
+        """Stop the threads before the interpreter exits (a thread inside C++ at exit aborts the process)."""
+        self._stop.set()
+        for t in self._threads:
+            t.join(timeout=2)

@@ -1,0 +1,223 @@
+"""``torchpass_ddp``: data-parallel training whose failed workers are replaced by spares, live.
+
+Unlike Lightning's ``DDPStrategy`` the module is not wrapped in ``DistributedDataParallel``: the
+gradient is averaged in one flat, out-of-place all-reduce right before the optimizer step, through the
+runtime, so that (a) a failed reduction leaves every local gradient intact for the retry, (b) the
+summation order never depends on bucket layouts that a fresh process would build differently, and (c)
+the step is committed only once every rank holds the reduced gradient. Every other collective Lightning
+makes (barrier, broadcast, ``sync_dist`` reductions, ``all_gather``) goes through the runtime too.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+from datetime import timedelta
+from typing import Any, Callable, Optional, Union
+
+import torch
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.fabric.utilities.rank_zero import rank_zero_only as fabric_rank_zero_only
+from lightning.pytorch.strategies import ParallelStrategy
+from lightning.pytorch.strategies.strategy import TBroadcast
+from lightning.pytorch.trainer.states import RunningStage, TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from torch import Tensor
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from torchpass_plugins.callback import TorchPassCallback
+from torchpass_plugins.environment import TorchPassEnvironment
+from torchpass_plugins.lightning_adapter import LightningAdapter
+from torchpass_plugins.transport import Transport
+
+_REDUCE_OPS = {"sum": torch.distributed.ReduceOp.SUM, "max": torch.distributed.ReduceOp.MAX,
+               "min": torch.distributed.ReduceOp.MIN}
+
+
+class TorchPassDDPStrategy(ParallelStrategy):
+    """Data parallel with hot spares. Use ``strategy="torchpass_ddp"`` under ``torchpass launch``."""
+
+    strategy_name = "torchpass_ddp"
+
+    def __init__(
+        self,
+        accelerator=None,
+        parallel_devices: Optional[list[torch.device]] = None,
+        cluster_environment: Optional[TorchPassEnvironment] = None,
+        checkpoint_io=None,
+        precision_plugin=None,
+        timeout: Union[timedelta, float] = timedelta(minutes=5),
+    ) -> None:
+        timeout = timeout if isinstance(timeout, timedelta) else timedelta(seconds=timeout)
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment or TorchPassEnvironment(timeout),
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+        )
+        self._num_nodes = 1
+        self.runtime = self.cluster_environment.runtime
+        self.adapter = LightningAdapter(self)
+
+    # -- layout ---------------------------------------------------------------------------------------
+    @property
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        self._num_nodes = num_nodes
+
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        if self.parallel_devices and self.parallel_devices[0].type == "cuda":
+            return torch.device("cuda", self.local_rank % torch.cuda.device_count())
+        return torch.device("cpu")
+
+    @property
+    def is_distributed(self) -> bool:
+        """Read by Lightning to shard data with a ``DistributedSampler``."""
+        return True
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return {"num_replicas": self.world_size, "rank": self.global_rank}
+
+    # -- setup ----------------------------------------------------------------------------------------
+    @override
+    def setup_environment(self) -> None:
+        asked = len(self.parallel_devices or []) * self.num_nodes
+        if asked != self.world_size:
+            raise ValueError(
+                f"torchpass: Trainer(devices={len(self.parallel_devices or [])}, num_nodes={self.num_nodes}) "
+                f"asks for {asked} ranks but the job has {self.world_size} active ranks "
+                "(processes minus spares). Make devices x num_nodes equal the active ranks."
+            )
+        rank_zero_only.rank = fabric_rank_zero_only.rank = self.global_rank
+        super().setup_environment()
+        self.runtime.adapter = self.adapter
+        for callback in self.lightning_module.trainer.callbacks:
+            if isinstance(callback, TorchPassCallback):
+                callback.attach(self.runtime)
+        if self.runtime.is_spare:
+            self.runtime.enter_as_spare()
+
+    @override
+    def setup(self, trainer) -> None:
+        self.accelerator.setup(trainer)
+        self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        self._broadcast_parameters()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        if trainer.state.fn == TrainerFn.FITTING:
+            _optimizers_to_device(self.optimizers, self.root_device)
+
+    def _broadcast_parameters(self) -> None:
+        """Start every rank from rank 0's weights, as DDP does (a spare takes the donor's instead)."""
+        tensors = [t for t in self.model.state_dict().values() if isinstance(t, Tensor)]
+
+        def run(t: Transport) -> None:
+            for tensor in tensors:
+                t.broadcast(tensor, 0)
+
+        with torch.no_grad():
+            self.runtime.collective(run, None)
+
+    @override
+    def model_to_device(self) -> None:
+        self.model.to(self.root_device)
+
+    @override
+    def on_train_start(self) -> None:
+        self.adapter.install_step_boundary()
+
+    @override
+    def on_train_end(self) -> None:
+        self.runtime.boundary(self.lightning_module.trainer.global_step)
+        self.barrier("torchpass.fit_end")
+
+    # -- gradients ------------------------------------------------------------------------------------
+    @override
+    def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model=None, **kwargs: Any) -> Any:
+        def closure_then_reduce() -> Any:
+            result = closure()
+            self._average_gradients(optimizer)
+            return result
+
+        return super().optimizer_step(optimizer, closure_then_reduce, model, **kwargs)
+
+    def _average_gradients(self, optimizer: Optimizer) -> None:
+        params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
+        dtypes = {p.dtype for p in params}
+        if len(dtypes) != 1:
+            raise TypeError(f"torchpass_ddp averages gradients of one dtype; this model has {sorted(map(str, dtypes))}")
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        reduced = self.runtime.reduce_gradients(torch.cat([g.reshape(-1) for g in grads]))
+        offset = 0
+        for p, g in zip(params, grads):
+            n = g.numel()
+            p.grad = reduced[offset : offset + n].view_as(p)
+            offset += n
+
+    # -- collectives ----------------------------------------------------------------------------------
+    @override
+    def barrier(self, name: Optional[str] = None) -> None:
+        self.runtime.collective(lambda t: t.barrier(), None)
+
+    @override
+    def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
+        def run(t: Transport) -> TBroadcast:
+            buf = io.BytesIO()
+            if t.rank == src:
+                pickle.dump(obj, buf)
+            data = torch.frombuffer(bytearray(buf.getvalue() or b"\0"), dtype=torch.uint8)
+            size = torch.tensor([data.numel()], dtype=torch.int64)
+            t.broadcast(size, src)
+            if t.rank != src:
+                data = torch.empty(int(size), dtype=torch.uint8)
+            t.broadcast(data, src)
+            return obj if t.rank == src else pickle.loads(data.numpy().tobytes())
+
+        return self.runtime.collective(run, obj)
+
+    @override
+    def reduce(self, tensor: Any, group: Optional[Any] = None, reduce_op: Optional[Union[str, Any]] = "mean") -> Any:
+        if not isinstance(tensor, Tensor):
+            return tensor
+        op = (reduce_op or "mean").lower() if isinstance(reduce_op, str) else reduce_op
+        mean = op in ("mean", "avg")
+        dist_op = _REDUCE_OPS.get("sum" if mean else op, op)
+
+        def run(t: Transport) -> Tensor:
+            out = tensor.detach().clone().to(torch.float32 if mean and not tensor.is_floating_point() else tensor.dtype)
+            t.all_reduce(out, dist_op)
+            return out / t.world_size if mean else out
+
+        return self.runtime.collective(run, tensor)
+
+    @override
+    def all_gather(self, tensor: Tensor, group: Optional[Any] = None, sync_grads: bool = False) -> Tensor:
+        return self.runtime.collective(
+            lambda t: torch.stack(t.all_gather(tensor.detach().contiguous())),
+            torch.stack([tensor] * self.world_size),
+        )
+
+    # -- data -----------------------------------------------------------------------------------------
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        trainer = self.lightning_module.trainer
+        if trainer.state.stage == RunningStage.TRAINING:
+            return self.adapter.resume_dataloader(dataloader)
+        return dataloader
+
+    @classmethod
+    def register_strategies(cls, strategy_registry) -> None:
+        strategy_registry.register(
+            cls.strategy_name, cls, description="DDP whose failed workers are replaced by spares, live"
+        )

@@ -1,0 +1,114 @@
+"""The process group of one generation, with waits that a newer roster can break.
+
+A gloo collective whose peer died may block the survivors until the group's timeout, and neither
+``abort()`` nor ``destroy_process_group()`` from another thread unblocks it. So every operation here is
+issued asynchronously and waited on in Python: the wait ends as soon as the work completes *or* the
+member's roster watch reports a newer generation. The stuck group is abandoned; its own timeout fires
+later, harmlessly, as a backstop.
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import Future
+from datetime import timedelta
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from torchpass_plugins.membership import Member
+
+_TICK = 0.05
+
+
+class PeerFailure(RuntimeError):
+    """A collective could not complete in this generation: a peer died or a newer roster exists."""
+
+
+class Transport:
+    """Gloo process group of the member's current generation (rank = logical rank)."""
+
+    def __init__(self, member: Member, timeout: timedelta) -> None:
+        self.member = member
+        self.timeout = timeout
+        self.pg: dist.ProcessGroup | None = None
+        self.gen = -1
+        self.rank = -1
+        self.world_size = member.env.world_size
+
+    def stale(self) -> bool:
+        return self.member.latest_gen > self.gen
+
+    def connect(self, gen: int, rank: int) -> None:
+        """Join the group of generation ``gen``; raises ``PeerFailure`` if an even newer one appears."""
+        store = dist.PrefixStore(f"pg/{gen}", self.member.store)
+        result: Future = Future()
+
+        def build() -> None:
+            try:
+                result.set_result(dist.ProcessGroupGloo(store, rank, self.world_size, self.timeout))
+            except Exception as exc:  # noqa: BLE001 - handed over to the waiting thread
+                result.set_exception(exc)
+
+        self.gen, self.rank, self.pg = gen, rank, None
+        threading.Thread(target=build, name=f"torchpass-connect-{gen}", daemon=True).start()
+        self.pg = self._wait_future(result, f"connect generation {gen}")
+
+    def wait(self, work: dist.Work, what: str) -> None:
+        try:
+            fut = work.get_future()
+        except RuntimeError:  # gloo send/recv have no future: a helper thread waits instead
+            fut = Future()
+
+            def wait_work() -> None:
+                try:
+                    work.wait()
+                    fut.set_result(None)
+                except Exception as exc:  # noqa: BLE001 - handed over to the waiting thread
+                    fut.set_exception(exc)
+
+            threading.Thread(target=wait_work, name="torchpass-wait", daemon=True).start()
+        self._wait_future(fut, what)
+
+    def _wait_future(self, fut, what: str):
+        done = threading.Event()
+        fut.add_done_callback(lambda _: done.set())
+        while not done.wait(_TICK):
+            if self.stale():
+                raise PeerFailure(f"{what}: generation {self.member.latest_gen} replaced {self.gen}")
+        try:
+            return fut.result() if isinstance(fut, Future) else fut.value()
+        except Exception as exc:
+            raise PeerFailure(f"{what}: {exc}") from exc
+
+    # -- operations (each blocks until done or until a failure is known) -------------------------------
+    def all_reduce(
+        self, tensor: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM, issued: Callable[[], None] | None = None
+    ) -> None:
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = op
+        work = self.pg.allreduce([tensor], opts)
+        if issued is not None:
+            issued()
+        self.wait(work, "all_reduce")
+
+    def broadcast(self, tensor: torch.Tensor, src: int) -> None:
+        opts = dist.BroadcastOptions()
+        opts.rootRank = src
+        self.wait(self.pg.broadcast([tensor], opts), "broadcast")
+
+    def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        out = [torch.empty_like(tensor) for _ in range(self.world_size)]
+        self.wait(self.pg.allgather([out], [tensor]), "all_gather")
+        return out
+
+    def barrier(self) -> None:
+        self.all_reduce(torch.zeros(1))
+
+    def send(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> None:
+        self.wait(self.pg.send([tensor], dst, tag), "send")
+
+    def recv(self, tensor: torch.Tensor, src: int, tag: int = 0) -> None:
+        self.wait(self.pg.recv([tensor], src, tag), "recv")
+
