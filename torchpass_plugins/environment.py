@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from datetime import timedelta
 
 from lightning.fabric.plugins.environments import ClusterEnvironment
 from typing_extensions import override
 
-from torchpass_plugins.membership import WorkerEnv
+from torchpass_plugins.membership import CONFIG_ERROR_EXIT, ConfigError, WorkerEnv
 from torchpass_plugins.runtime import Runtime
 
 log = logging.getLogger(__name__)
@@ -42,10 +43,25 @@ def current_runtime(timeout: timedelta = timedelta(minutes=5)) -> Runtime:
                 f"torchpass strategies need workers started by `torchpass launch`, but {where}. "
                 "Run: torchpass launch --nproc-per-node N --spares S your_script.py"
             )
+        _exit_job_on_config_error()
         runtime = Runtime(env, timeout)
         runtime.join()
         _RUNTIME = runtime
     return _RUNTIME
+
+
+def _exit_job_on_config_error() -> None:
+    """A ``ConfigError`` that reaches the top of a worker exits with ``CONFIG_ERROR_EXIT``, which makes the
+    agent stop the whole job with the message instead of handing the same mistake to a spare."""
+    previous = sys.excepthook
+
+    def hook(exc_type, exc, tb) -> None:
+        previous(exc_type, exc, tb)
+        if issubclass(exc_type, ConfigError):
+            sys.stderr.flush()
+            os._exit(CONFIG_ERROR_EXIT)
+
+    sys.excepthook = hook
 
 
 class TorchPassEnvironment(ClusterEnvironment):
@@ -81,7 +97,7 @@ class TorchPassEnvironment(ClusterEnvironment):
     @override
     def set_world_size(self, size: int) -> None:
         if size != self.runtime.world_size:
-            raise ValueError(
+            raise ConfigError(
                 f"torchpass: the Trainer asks for {size} ranks (devices x num_nodes) but the job has "
                 f"{self.runtime.world_size} active ranks (processes - spares). Set devices x num_nodes = "
                 f"{self.runtime.world_size}, or change --nproc-per-node / --spares."
@@ -94,7 +110,7 @@ class TorchPassEnvironment(ClusterEnvironment):
     @override
     def set_global_rank(self, rank: int) -> None:
         if rank != self.runtime.rank:
-            raise ValueError(f"torchpass: logical rank is {self.runtime.rank}, not {rank}")
+            raise ConfigError(f"torchpass: logical rank is {self.runtime.rank}, not {rank}")
 
     @override
     def local_rank(self) -> int:

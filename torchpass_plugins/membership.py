@@ -23,6 +23,13 @@ class JobAborted(RuntimeError):
     """The coordinator gave up on the job (for example more failures than spares)."""
 
 
+class ConfigError(ValueError):
+    """A setting that no spare can fix: the whole job stops at once with this message."""
+
+
+CONFIG_ERROR_EXIT = 78  # EX_CONFIG: the agent stops the job instead of replacing the worker
+
+
 def roster_key(gen: int) -> str:
     return f"roster/{gen}"
 

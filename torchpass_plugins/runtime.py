@@ -13,12 +13,12 @@ from __future__ import annotations
 import atexit
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Callable, Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import torch
-import torch.distributed as dist
 
 from torchpass_plugins import faults, rng
 from torchpass_plugins.events import EventLog

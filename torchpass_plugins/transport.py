@@ -10,9 +10,9 @@ later, harmlessly, as a backstop.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future
 from datetime import timedelta
-from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -48,7 +48,7 @@ class Transport:
         def build() -> None:
             try:
                 result.set_result(dist.ProcessGroupGloo(store, rank, self.world_size, self.timeout))
-            except Exception as exc:  # noqa: BLE001 - handed over to the waiting thread
+            except Exception as exc:  # handed over to the waiting thread
                 result.set_exception(exc)
 
         self.gen, self.rank, self.pg = gen, rank, None
@@ -65,7 +65,7 @@ class Transport:
                 try:
                     work.wait()
                     fut.set_result(None)
-                except Exception as exc:  # noqa: BLE001 - handed over to the waiting thread
+                except Exception as exc:  # handed over to the waiting thread
                     fut.set_exception(exc)
 
             threading.Thread(target=wait_work, name="torchpass-wait", daemon=True).start()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import time
 from pathlib import Path
 
 import lightning as L
@@ -38,12 +39,17 @@ class Classifier(L.LightningModule):
             nn.Dropout(0.2), nn.Linear(hidden, classes),
         )
         self.out_dir: Path | None = None
+        self.sleep_per_step = 0.0
 
     def training_step(self, batch, batch_idx):
         x, y = batch
         loss = nn.functional.cross_entropy(self.net(x), y)
         self.log("train_loss", loss, sync_dist=True, prog_bar=True)
         return loss
+
+    def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
+        if self.sleep_per_step:
+            time.sleep(self.sleep_per_step)  # stands in for a bigger model, so failures land mid-run
 
     def on_before_optimizer_step(self, optimizer) -> None:
         # Runs once the reduced gradient is committed: the step is then applied exactly here.
@@ -66,10 +72,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--progress", action="store_true")
+    p.add_argument("--sleep-per-step", type=float, default=0.0)
     args = p.parse_args(argv)
 
     L.seed_everything(7)
     model = Classifier()
+    model.sleep_per_step = args.sleep_per_step
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
         model.out_dir = args.out

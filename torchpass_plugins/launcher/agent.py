@@ -7,6 +7,7 @@ see), and by default starts a fresh worker in the freed slot, which joins the sp
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import json
 import os
@@ -93,8 +94,8 @@ class Agent:
         config.validate()
         self.config = config
         self.token = config.token or secrets.token_hex(16)
-        seed_src = str(config.seed) if config.seed is not None else self.token
-        self.seed = config.seed if config.seed is not None else int(hashlib.sha256(seed_src.encode()).hexdigest()[:8], 16)
+        token_seed = int(hashlib.sha256(self.token.encode()).hexdigest()[:8], 16)
+        self.seed = config.seed if config.seed is not None else token_seed
         self.events = EventLog(Path(config.run_dir) / "events.jsonl", source=f"agent{config.node_rank}")
         self.slots = [_Slot(i) for i in range(config.nproc_per_node)]
         self._stop = threading.Event()
@@ -142,6 +143,7 @@ class Agent:
             [sys.executable, "-u", *cfg.command],
             env={**os.environ, **env.to_env(), "PYTHONUNBUFFERED": "1"},
             start_new_session=True,
+            preexec_fn=_die_with_parent,
         )
         slot.beats, slot.last_change = 0, time.monotonic()
         self.events.emit("worker_started", worker=slot.worker_id, pid=slot.proc.pid, slot=slot.index)
@@ -174,8 +176,18 @@ class Agent:
                     self._spawn(slot)
                     alive += 1
             if alive == 0:
-                return 0 if done and self.store.get(DONE_KEY).decode() == "done" else 1
+                return self._outcome()
             time.sleep(_TICK)
+
+    def _outcome(self, grace: float = 10.0) -> int:
+        """All local workers are gone: wait for the coordinator's verdict on the exits just reported."""
+        deadline = time.monotonic() + grace
+        while not self.store.check([DONE_KEY]) and time.monotonic() < deadline:
+            time.sleep(_TICK)
+        outcome = self.store.get(DONE_KEY).decode() if self.store.check([DONE_KEY]) else "no verdict"
+        if outcome != "done":
+            print(f"torchpass: job ended without success: {outcome}", file=sys.stderr, flush=True)
+        return 0 if outcome == "done" else 1
 
     def _check_heartbeat(self, slot: _Slot) -> None:
         beats = int(self.store.add(heartbeat_key(slot.worker_id), 0))
@@ -216,6 +228,12 @@ class Agent:
 
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, handler)
+
+
+def _die_with_parent() -> None:
+    """Workers get SIGKILL if their agent dies, so no worker outlives its supervisor (Linux)."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
 def launch(config: LaunchConfig) -> int:

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torchpass_plugins.events import EventLog
 from torchpass_plugins.membership import (
     ABORT_KEY,
+    CONFIG_ERROR_EXIT,
     EXIT_QUEUE,
     JOIN_QUEUE,
     Roster,
@@ -92,6 +93,9 @@ class Coordinator:
         if worker_id not in self.ranks:
             return
         rank = self.ranks.index(worker_id)
+        if code == CONFIG_ERROR_EXIT:
+            self._abort(f"worker {worker_id} (logical rank {rank}) stopped on a configuration error; see its output")
+            return
         if code == 0:
             self.finished.add(rank)
             if len(self.finished) == self.world_size:

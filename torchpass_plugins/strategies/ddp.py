@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import io
 import pickle
+from collections.abc import Callable
 from datetime import timedelta
-from typing import Any, Callable, Optional, Union
+from typing import Any, Optional, Union
 
 import torch
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
@@ -29,6 +30,7 @@ from typing_extensions import override
 from torchpass_plugins.callback import TorchPassCallback
 from torchpass_plugins.environment import TorchPassEnvironment
 from torchpass_plugins.lightning_adapter import LightningAdapter
+from torchpass_plugins.membership import ConfigError
 from torchpass_plugins.transport import Transport
 
 _REDUCE_OPS = {"sum": torch.distributed.ReduceOp.SUM, "max": torch.distributed.ReduceOp.MAX,
@@ -92,7 +94,7 @@ class TorchPassDDPStrategy(ParallelStrategy):
     def setup_environment(self) -> None:
         asked = len(self.parallel_devices or []) * self.num_nodes
         if asked != self.world_size:
-            raise ValueError(
+            raise ConfigError(
                 f"torchpass: Trainer(devices={len(self.parallel_devices or [])}, num_nodes={self.num_nodes}) "
                 f"asks for {asked} ranks but the job has {self.world_size} active ranks "
                 "(processes minus spares). Make devices x num_nodes equal the active ranks."
@@ -156,11 +158,12 @@ class TorchPassDDPStrategy(ParallelStrategy):
         params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
         dtypes = {p.dtype for p in params}
         if len(dtypes) != 1:
-            raise TypeError(f"torchpass_ddp averages gradients of one dtype; this model has {sorted(map(str, dtypes))}")
+            found = sorted(map(str, dtypes))
+            raise ConfigError(f"torchpass_ddp averages gradients of one dtype; this model has {found}")
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
         reduced = self.runtime.reduce_gradients(torch.cat([g.reshape(-1) for g in grads]))
         offset = 0
-        for p, g in zip(params, grads):
+        for p, g in zip(params, grads, strict=True):
             n = g.numel()
             p.grad = reduced[offset : offset + n].view_as(p)
             offset += n

@@ -1,0 +1,279 @@
+"""Shared plumbing for the benchmark drivers: bounded subprocesses, cleanup, ports, machine facts, docs.
+
+Both launchers start their workers in new sessions (``start_new_session=True``), so killing the
+launcher's process group is not enough to leave nothing behind. The driver therefore makes itself a
+*child subreaper*: every orphan of its subtree is re-parented to it, so walking ``/proc`` from our pid
+finds every process we caused, whatever session it moved to, and cleanup can kill them all.
+"""
+
+from __future__ import annotations
+
+import atexit
+import ctypes
+import datetime as dt
+import json
+import os
+import platform
+import re
+import shlex
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+BENCH_DIR = REPO / "benchmarks"
+TRAIN_SCRIPT = BENCH_DIR / "bench_train.py"
+DOC = REPO / "docs" / "benchmarks.md"
+SMOKE_DOC = BENCH_DIR / "out" / "benchmarks-smoke.md"
+_PR_SET_CHILD_SUBREAPER = 36
+
+
+class RunFailed(RuntimeError):
+    """A benchmark run did not finish as expected (timeout, bad exit code, missing records)."""
+
+
+# -- processes ------------------------------------------------------------------------------------------
+def _children_map() -> dict[int, list[int]]:
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        # Field 4 is the parent pid; the command name (field 2) may hold spaces, so split after ')'.
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        children.setdefault(ppid, []).append(int(entry))
+    return children
+
+
+def descendants(root: int | None = None) -> list[int]:
+    """Every live process below ``root`` (default: this process)."""
+    root = os.getpid() if root is None else root
+    tree, out, todo = _children_map(), [], [root]
+    while todo:
+        for child in tree.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def _reap_zombies() -> None:
+    """Collect exit statuses of re-parented orphans (we are their subreaper, so they are our children)."""
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+
+
+def kill_everything(grace_s: float = 3.0) -> list[int]:
+    """SIGTERM every descendant, give launchers ``grace_s`` to stop their workers, then SIGKILL the rest.
+
+    Returns the pids that were still alive when SIGKILL was sent (empty on a clean shutdown).
+    """
+    for pid in descendants():
+        try:
+            os.kill(pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline:
+        _reap_zombies()
+        if not [p for p in descendants() if not _is_zombie(p)]:
+            break
+        time.sleep(0.05)
+    stubborn = [p for p in descendants() if not _is_zombie(p)]
+    for pid in stubborn:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + 5.0
+    while descendants() and time.monotonic() < deadline:
+        _reap_zombies()
+        time.sleep(0.05)
+    return stubborn
+
+
+def _is_zombie(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
+def install_cleanup() -> None:
+    """Become a subreaper and kill every descendant on exit, SIGTERM, SIGINT or SIGHUP."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+    atexit.register(kill_everything)
+
+    def on_signal(signum: int, _frame: Any) -> None:
+        kill_everything()
+        raise SystemExit(128 + signum)
+
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, on_signal)
+
+
+def run_bounded(cmd: Sequence[str], env: dict[str, str], timeout_s: float, log_path: Path) -> int:
+    """Run ``cmd`` (its output to ``log_path``) with a hard timeout; afterwards nothing of it survives.
+
+    On timeout the whole subtree is killed and ``RunFailed`` is raised with the log's tail.
+    """
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "wb") as log:
+        log.write(f"$ {shlex.join(cmd)}\n".encode())
+        log.flush()
+        proc = subprocess.Popen(list(cmd), env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        try:
+            code = proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            kill_everything()
+            proc.wait()
+            raise RunFailed(f"timed out after {timeout_s:.0f}s: {shlex.join(cmd)}\n{tail(log_path)}") from None
+    leftovers = kill_everything()
+    if leftovers:
+        print(f"  note: killed {len(leftovers)} process(es) left behind by {cmd[0]}", file=sys.stderr)
+    return code
+
+
+def tail(path: Path, lines: int = 25) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
+def free_port() -> int:
+    """A port that was free a moment ago (bind to port 0 and let the kernel choose)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def worker_env() -> dict[str, str]:
+    """Environment for both launchers: one intra-op thread per worker (torchrun's default), no fault
+    injection unless asked for, and the repo importable."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHPASS_", "BENCH_"))}
+    env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONHASHSEED="0")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
+    return env
+
+
+def torchpass_cmd(nproc: int, spares: int, run_dir: Path, script_args: Sequence[str]) -> list[str]:
+    """``torchpass launch`` (port 0: the agent binds a free port for its store itself)."""
+    return [sys.executable, "-m", "torchpass_plugins.cli", "launch", "--nproc-per-node", str(nproc),
+            "--spares", str(spares), "--run-dir", str(run_dir), str(TRAIN_SCRIPT), *script_args]
+
+
+def torchrun_cmd(nproc: int, script_args: Sequence[str], max_restarts: int = 0) -> list[str]:
+    """Plain ``torchrun`` on a port found free by binding, with its default 0.1 s monitor interval."""
+    return [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(nproc),
+            "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "--max-restarts", str(max_restarts),
+            "--monitor-interval", "0.1", str(TRAIN_SCRIPT), *script_args]
+
+
+# -- records written by bench_train.py -------------------------------------------------------------------
+def read_steps(out_dir: Path) -> dict[int, list[tuple[int, float, float, int]]]:
+    """Per logical rank: (step, unix time, perf_counter, pid) for every optimizer step applied."""
+    records: dict[int, list[tuple[int, float, float, int]]] = {}
+    for path in sorted(out_dir.glob("steps_rank*.txt")):
+        rank = int(re.findall(r"\d+", path.stem)[0])
+        rows = []
+        for line in path.read_text().splitlines():
+            parts = line.split()
+            if len(parts) == 4:  # a worker SIGKILLed mid-write leaves at most one partial line
+                rows.append((int(parts[0]), float(parts[1]), float(parts[2]), int(parts[3])))
+        records[rank] = rows
+    return records
+
+
+def read_events(run_dir: Path) -> list[dict[str, Any]]:
+    path = run_dir / "events.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+# -- reporting -------------------------------------------------------------------------------------------
+def machine() -> dict[str, str]:
+    """What a reader needs to judge the numbers: cores, CPU model, versions, load when we started."""
+    import lightning
+    import torch
+
+    model = "unknown CPU"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    load = os.getloadavg() if hasattr(os, "getloadavg") else (float("nan"),) * 3
+    return {
+        "cpu": f"{os.cpu_count()} cores, {model}",
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "lightning": lightning.__version__,
+        "os": f"{platform.system()} {platform.release()}",
+        "load": "{:.2f} / {:.2f} / {:.2f}".format(*load),
+        "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+    }
+
+
+def machine_lines(info: dict[str, str], command: str) -> list[str]:
+    return [
+        f"- Command: `{command}`",
+        f"- Date: {info['date']}",
+        f"- Machine: {info['cpu']}; {info['os']}; load average (1/5/15 min) at start {info['load']}",
+        f"- Software: Python {info['python']}, torch {info['torch']}, lightning {info['lightning']}",
+    ]
+
+
+def command_line() -> str:
+    return shlex.join(["python", os.path.relpath(sys.argv[0], REPO), *sys.argv[1:]])
+
+
+def summarize(values: Iterable[float]) -> tuple[float, float, float]:
+    """(median, min, max); NaNs when there is nothing to summarize."""
+    vals = list(values)
+    if not vals:
+        return float("nan"), float("nan"), float("nan")
+    return statistics.median(vals), min(vals), max(vals)
+
+
+_DOC_HEADER = """# Benchmarks
+
+Generated by the scripts in `benchmarks/` (see `benchmarks/README.md`); each section is rewritten by
+the script named in it, between its markers. Do not edit inside the markers by hand.
+"""
+
+
+def update_section(doc: Path, name: str, body: str) -> None:
+    """Replace the text between ``<!-- name:start -->`` and ``<!-- name:end -->`` in ``doc`` (appending
+    the section if it is missing), leaving every other section as it was."""
+    start, end = f"<!-- {name}:start -->", f"<!-- {name}:end -->"
+    block = f"{start}\n{body.rstrip()}\n{end}"
+    text = doc.read_text() if doc.exists() else _DOC_HEADER
+    if start in text and end in text:
+        before, rest = text.split(start, 1)
+        after = rest.split(end, 1)[1]
+        text = before + block + after
+    else:
+        text = text.rstrip() + "\n\n" + block + "\n"
+    doc.parent.mkdir(parents=True, exist_ok=True)
+    tmp = doc.with_suffix(doc.suffix + ".tmp")
+    tmp.write_text(text)
+    tmp.replace(doc)

@@ -1,0 +1,163 @@
+"""The training script both benchmarks launch: one model and data set, two strategies.
+
+``--strategy torchpass_ddp`` runs under ``torchpass launch``; ``--strategy ddp`` is plain Lightning under
+``torchrun``. Model, data, seed and optimizer are identical, so any difference comes from the strategy
+and the launcher. Each logical rank appends every optimizer step it completes, with wall-clock and
+``perf_counter`` times, to ``OUT/steps_rank{r}.txt``: the drivers compute regain times and step times
+from these lines, not from file modification times.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+
+def make_dataset(samples: int, features: int, classes: int, seed: int) -> TensorDataset:
+    """A fixed synthetic classification task (a random linear teacher), identical on every rank."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(samples, features, generator=g)
+    teacher = torch.randn(features, classes, generator=g)
+    y = (x @ teacher + 0.1 * torch.randn(samples, classes, generator=g)).argmax(dim=1)
+    return TensorDataset(x, y)
+
+
+class MLP(L.LightningModule):
+    """A plain MLP; width and depth set the step time (a few million parameters: tens of ms on CPU)."""
+
+    def __init__(self, features: int, hidden: int, depth: int, classes: int, lr: float = 1e-3) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        layers: list[nn.Module] = []
+        width = features
+        for _ in range(depth):
+            layers += [nn.Linear(width, hidden), nn.ReLU()]
+            width = hidden
+        layers.append(nn.Linear(width, classes))
+        self.net = nn.Sequential(*layers)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.cross_entropy(self.net(x), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=self.hparams.lr, weight_decay=0.01)
+
+
+class StepRecorder(Callback):
+    """Records completed optimizer steps and marks (then, under plain DDP, performs) the injected kill.
+
+    The kill mark is written on the victim right before it dies, at the end of the last backward of the
+    step in flight: under torchpass the runtime's ``TORCHPASS_FAULTS`` kill follows within the gradient
+    all-reduce; under plain DDP this callback SIGKILLs the process itself at that point. A marker file
+    makes the kill happen once per run, so a restarted or replacing worker does not die again.
+    """
+
+    def __init__(self, out: Path, kill_rank: int, kill_step: int, self_kill: bool) -> None:
+        self.out, self.kill_rank, self.kill_step, self.self_kill = out, kill_rank, kill_step, self_kill
+        self._seen: int | None = None
+        self._file: Any = None
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._seen = trainer.global_step
+        self._file = open(self.out / f"steps_rank{trainer.global_rank}.txt", "a", buffering=1)
+
+    def on_after_backward(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if (trainer.global_rank, trainer.global_step) != (self.kill_rank, self.kill_step):
+            return
+        micro = trainer.fit_loop.epoch_loop.batch_progress.current.ready
+        if micro % trainer.accumulate_grad_batches:
+            return  # not the last micro-batch of the step: the step is not in flight yet
+        with open(self.out / f"kill_marks_rank{self.kill_rank}.txt", "a") as f:
+            f.write(f"{self.kill_step} {time.time():.6f} {os.getpid()}\n")
+        if self.self_kill and _claim(self.out / "kill.fired"):
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        step = trainer.global_step
+        if step != self._seen:
+            self._seen = step
+            self._file.write(f"{step - 1} {time.time():.6f} {time.perf_counter():.6f} {os.getpid()}\n")
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self._file is not None:
+            self._file.close()
+
+
+def _claim(marker: Path) -> bool:
+    try:
+        os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return False
+    return True
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--strategy", choices=("torchpass_ddp", "ddp"), required=True)
+    p.add_argument("--devices", type=int, default=3)
+    p.add_argument("--max-steps", type=int, default=30)
+    p.add_argument("--accumulate", type=int, default=1)
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--features", type=int, default=64)
+    p.add_argument("--hidden", type=int, default=128)
+    p.add_argument("--depth", type=int, default=2)
+    p.add_argument("--classes", type=int, default=10)
+    p.add_argument("--seed", type=int, default=7)
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--ckpt-every", type=int, default=0, help="ModelCheckpoint every N steps + last.ckpt (0: off)")
+    p.add_argument("--kill-rank", type=int, default=-1)
+    p.add_argument("--kill-step", type=int, default=-1)
+    args = p.parse_args(argv)
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    callbacks: list[Callback] = [
+        StepRecorder(args.out, args.kill_rank, args.kill_step, self_kill=args.strategy == "ddp")
+    ]
+    if args.strategy == "torchpass_ddp":
+        import torchpass_plugins  # registers "torchpass_ddp"; a spare blocks in the Trainer until promoted
+
+        callbacks.append(torchpass_plugins.TorchPassCallback())
+    ckpt_path = None
+    if args.ckpt_every:
+        ckpt_dir = args.out / "ckpt"
+        callbacks.append(ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=args.ckpt_every, save_last=True))
+        if (ckpt_dir / "last.ckpt").exists():
+            ckpt_path = "last"
+
+    L.seed_everything(args.seed, verbose=False)
+    model = MLP(args.features, args.hidden, args.depth, args.classes)
+    # Twice the samples the run needs, so max_steps (not the end of an epoch) ends it even after a
+    # mid-epoch restart that starts the loader over.
+    samples = 2 * args.batch_size * args.devices * args.accumulate * args.max_steps
+    loader = DataLoader(make_dataset(samples, args.features, args.classes, args.seed), batch_size=args.batch_size,
+                        shuffle=True)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        strategy=args.strategy,
+        devices=args.devices,
+        max_steps=args.max_steps,
+        max_epochs=-1,
+        accumulate_grad_batches=args.accumulate,
+        callbacks=callbacks,
+        enable_checkpointing=bool(args.ckpt_every),
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(model, loader, ckpt_path=ckpt_path)
+
+
+if __name__ == "__main__":
+    main()

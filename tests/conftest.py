@@ -1,0 +1,41 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from jobs import Job, run
+
+STEPS = 20
+
+
+@pytest.fixture(scope="session")
+def reference(tmp_path_factory):
+    """Failure-free runs, one per (active ranks, train args), shared by every test that compares."""
+    cache: dict[tuple, Job] = {}
+
+    def get(world: int = 3, train_args: tuple[str, ...] = ()) -> Job:
+        key = (world, train_args)
+        if key not in cache:
+            run_dir = Path(tmp_path_factory.mktemp(f"reference-w{world}"))
+            job, codes = run(run_dir, nproc=world, spares=0,
+                             train_args=("--devices", str(world), "--max-steps", str(STEPS), *train_args))
+            assert codes == [0], job.output()[-3000:]
+            cache[key] = job
+        return cache[key]
+
+    return get
+
+
+def assert_bit_exact(job: Job, codes: list[int], ref: Job, world: int = 3, steps: int = STEPS) -> None:
+    """Same final weights bit for bit, every optimizer step applied exactly once on every logical rank."""
+    assert all(code == 0 for code in codes), job.output()[-4000:]
+    final, expected = job.final(), ref.final()
+    assert final["global_step"] == steps
+    assert final["adam_steps"] == expected["adam_steps"] == [float(steps)] * len(final["adam_steps"])
+    for name, tensor in expected["weights"].items():
+        assert torch.equal(final["weights"][name], tensor), f"{name} differs from the failure-free run"
+    for rank in range(world):
+        assert job.applied(rank) == list(range(steps)), f"rank {rank} applied {job.applied(rank)}"
+    assert job.leftovers() == []

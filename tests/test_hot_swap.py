@@ -1,0 +1,101 @@
+"""The guarantee, end to end: real workers under ``torchpass launch``, real SIGKILL/SIGSTOP, gloo groups.
+
+Each scenario must end with the same weights, bit for bit, as the failure-free run, with every
+optimizer step applied exactly once on every logical rank, and no process left behind.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+from conftest import STEPS, assert_bit_exact
+
+from jobs import run, start
+
+TRAIN = ("--devices", "3", "--max-steps", str(STEPS))
+pytestmark = pytest.mark.timeout(300)
+
+
+def recovered_ranks(job) -> set[int]:
+    return {e["rank"] for e in job.events("recovered")}
+
+
+def test_sigkill_of_a_nonzero_rank_from_outside(tmp_path, reference):
+    job = start(tmp_path, train_args=(*TRAIN, "--sleep-per-step", "0.1"))
+    try:
+        job.wait_until(lambda: len(job.applied(1)) >= 6, "rank 1 to reach step 6")
+        os.kill(job.pid_of_rank(1), signal.SIGKILL)
+        codes = job.wait()
+    finally:
+        job.kill()
+    assert_bit_exact(job, codes, reference())
+    assert [e["promoted"] for e in job.events("roster_published")][1] == {"n0-s3-i0": 1}
+    assert len(job.events("state_received")) == 1
+    assert recovered_ranks(job) == {0, 1, 2}
+
+
+@pytest.mark.parametrize(
+    ("fault", "what"),
+    [
+        ("kill@rank=0,step=6,phase=boundary", "the worker holding logical rank 0"),
+        ("kill@rank=2,step=5,phase=reduce", "a kill during the gradient all-reduce"),
+        ("kill@rank=1,step=9,phase=commit", "a kill between reduction and commit"),
+        ("kill@rank=1,step=5,phase=optimizer", "a kill during optimizer.step (after the commit)"),
+        ("exit@rank=2,step=3,phase=boundary", "a crash (os._exit)"),
+        ("raise@rank=1,step=4,phase=boundary", "an exception that kills the worker"),
+    ],
+)
+def test_injected_failure(tmp_path, reference, fault, what):
+    job, codes = run(tmp_path, train_args=TRAIN, faults=fault)
+    assert_bit_exact(job, codes, reference())
+    assert len(job.events("failure_detected")) == 1, what
+
+
+def test_hang_is_detected_by_the_heartbeat(tmp_path, reference):
+    job, codes = run(tmp_path, train_args=TRAIN, faults="stop@rank=1,step=5,phase=boundary",
+                     launch_args=("--heartbeat-timeout", "3"))
+    assert_bit_exact(job, codes, reference())
+    assert [e["worker"] for e in job.events("hang_detected")] == ["n0-s1-i0"]
+
+
+def test_two_failures_with_two_spares(tmp_path, reference):
+    job, codes = run(tmp_path, nproc=5, spares=2, train_args=TRAIN, launch_args=("--no-refill",),
+                     faults="kill@rank=1,step=4,phase=reduce;kill@rank=2,step=11,phase=boundary")
+    assert_bit_exact(job, codes, reference())
+    assert len(job.events("failure_detected")) == 2
+
+
+def test_second_failure_after_the_pool_was_refilled(tmp_path, reference):
+    job = start(tmp_path, train_args=(*TRAIN, "--sleep-per-step", "0.5"), faults="kill@rank=1,step=2,phase=reduce")
+    try:
+        job.wait_until(lambda: job.events("spare_joined"), "the refilled spare to join")
+        assert len(job.applied(2)) < STEPS, "training ended before the pool was refilled"
+        os.kill(job.pid_of_rank(2), signal.SIGKILL)
+        codes = job.wait()
+    finally:
+        job.kill()
+    assert_bit_exact(job, codes, reference())
+    promoted = [e["promoted"] for e in job.events("roster_published")][1:]
+    assert promoted == [{"n0-s3-i0": 1}, {"n0-s1-i1": 2}]
+
+
+def test_two_nodes_survive_a_loss_on_either_node(tmp_path, reference):
+    # 2 agents x 2 slots, 2 spares: ranks 0-1 start on node 0, the spares are node 1's slots. The second
+    # kill of rank 1 hits the node-1 worker that replaced it.
+    train = ("--devices", "1", "--num-nodes", "2", "--max-steps", str(STEPS))
+    job, codes = run(tmp_path, nproc=2, spares=2, nnodes=2, train_args=train, launch_args=("--no-refill",),
+                     faults="kill@rank=1,step=4,phase=reduce;kill@rank=1,step=12,phase=boundary")
+    assert_bit_exact(job, codes, reference(2, ("--devices", "1", "--num-nodes", "2")), world=2)
+    lost = [e["worker"] for e in job.events("failure_detected")]
+    assert lost == ["n0-s1-i0", "n1-s0-i0"]
+
+
+def test_more_failures_than_spares_stop_the_job_clearly(tmp_path):
+    job, codes = run(tmp_path, train_args=TRAIN, launch_args=("--no-refill",),
+                     faults="kill@rank=1,step=3,phase=boundary;kill@rank=2,step=8,phase=boundary")
+    assert codes == [1]
+    assert "but 0 spare(s) left" in job.output() and "--spares" in job.output()
+    assert len(job.events("job_aborted")) >= 1
+    assert job.leftovers() == []
