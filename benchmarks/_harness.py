@@ -163,11 +163,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def worker_env() -> dict[str, str]:
+def worker_env(restarts: bool = False) -> dict[str, str]:
     """Environment for both launchers: one intra-op thread per worker (torchrun's default), no fault
-    injection unless asked for, and the repo importable."""
+    injection unless asked for, the repo importable; ``restarts``: see ``torchrun_cmd``."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHPASS_", "BENCH_"))}
     env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONHASHSEED="0")
+    if restarts:
+        env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
     return env
 
@@ -179,10 +181,21 @@ def torchpass_cmd(nproc: int, spares: int, run_dir: Path, script_args: Sequence[
 
 
 def torchrun_cmd(nproc: int, script_args: Sequence[str], max_restarts: int = 0) -> list[str]:
-    """Plain ``torchrun`` on a port found free by binding, with its default 0.1 s monitor interval."""
-    return [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(nproc),
-            "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "--max-restarts", str(max_restarts),
-            "--monitor-interval", "0.1", str(TRAIN_SCRIPT), *script_args]
+    """Plain ``torchrun`` (default 0.1 s monitor interval) on a port found free by binding.
+
+    Without restarts: static rendezvous on ``--master-port``. With restarts: c10d rendezvous on that port,
+    plus ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (set by ``worker_env(restarts=True)``). By default
+    torchrun hands the workers its own store, which outlives a restart, so the restarted ranks read the
+    dead group's gloo addresses: "Gloo connectFullMesh failed ... Connection refused" (static backend) or
+    a hang in init (c10d); pytorch/pytorch#135712. Opting out gives every restart round a fresh store.
+    """
+    port = str(free_port())
+    if max_restarts:
+        rdzv = ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"bench{port}"]
+    else:
+        rdzv = ["--master-addr", "127.0.0.1", "--master-port", port]
+    return [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(nproc), *rdzv,
+            "--max-restarts", str(max_restarts), "--monitor-interval", "0.1", str(TRAIN_SCRIPT), *script_args]
 
 
 # -- records written by bench_train.py -------------------------------------------------------------------

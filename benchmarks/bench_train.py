@@ -57,10 +57,11 @@ class MLP(L.LightningModule):
 class StepRecorder(Callback):
     """Records completed optimizer steps and marks (then, under plain DDP, performs) the injected kill.
 
-    The kill mark is written on the victim right before it dies, at the end of the last backward of the
-    step in flight: under torchpass the runtime's ``TORCHPASS_FAULTS`` kill follows within the gradient
-    all-reduce; under plain DDP this callback SIGKILLs the process itself at that point. A marker file
-    makes the kill happen once per run, so a restarted or replacing worker does not die again.
+    The kill mark is written on the victim right before it dies, in the last micro-batch of the step in
+    flight and before that step's gradient all-reduce completes: under torchpass after the backward (the
+    runtime's ``TORCHPASS_FAULTS`` kill follows inside the all-reduce it issues next); under plain DDP,
+    whose all-reduce runs inside backward, this callback SIGKILLs the process just before the backward. A
+    marker file makes the kill happen once per run, so a restarted or replacing worker does not die again.
     """
 
     def __init__(self, out: Path, kill_rank: int, kill_step: int, self_kill: bool) -> None:
@@ -72,16 +73,27 @@ class StepRecorder(Callback):
         self._seen = trainer.global_step
         self._file = open(self.out / f"steps_rank{trainer.global_rank}.txt", "a", buffering=1)
 
+    def on_before_backward(self, trainer: L.Trainer, pl_module: L.LightningModule, loss: torch.Tensor) -> None:
+        # Plain DDP all-reduces inside backward: die before it, or the survivors would apply the step.
+        if self.self_kill and self._in_flight(trainer):
+            self._mark()
+            if _claim(self.out / "kill.fired"):
+                os.kill(os.getpid(), signal.SIGKILL)
+
     def on_after_backward(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        # torchpass all-reduces after backward; the runtime's injected kill follows right after this mark.
+        if not self.self_kill and self._in_flight(trainer):
+            self._mark()
+
+    def _in_flight(self, trainer: L.Trainer) -> bool:
+        """On the victim rank, in the last micro-batch of the kill step (earlier ones only accumulate)."""
         if (trainer.global_rank, trainer.global_step) != (self.kill_rank, self.kill_step):
-            return
-        micro = trainer.fit_loop.epoch_loop.batch_progress.current.ready
-        if micro % trainer.accumulate_grad_batches:
-            return  # not the last micro-batch of the step: the step is not in flight yet
+            return False
+        return trainer.fit_loop.epoch_loop.batch_progress.current.ready % trainer.accumulate_grad_batches == 0
+
+    def _mark(self) -> None:
         with open(self.out / f"kill_marks_rank{self.kill_rank}.txt", "a") as f:
             f.write(f"{self.kill_step} {time.time():.6f} {os.getpid()}\n")
-        if self.self_kill and _claim(self.out / "kill.fired"):
-            os.kill(os.getpid(), signal.SIGKILL)
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:

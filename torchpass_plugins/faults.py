@@ -6,7 +6,7 @@ fault fires once per run (a marker file in the run directory), so the spare that
 not fail again. Actions: ``kill`` (SIGKILL), ``stop`` (SIGSTOP: a hang), ``exit`` (``os._exit(3)``),
 ``raise`` (an exception in the training process). Phases: ``boundary`` (start of the step), ``reduce``
 (gradient all-reduce issued, not yet complete), ``commit`` (reduced, not yet committed), ``optimizer``
-(committed, before the update).
+(the optimizer has applied the committed update; Lightning's step bookkeeping has not run yet).
 """
 
 from __future__ import annotations

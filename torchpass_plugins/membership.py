@@ -46,6 +46,7 @@ def commit_key(step: int, gen: int) -> str:
     return f"commit/{step}/{gen}"
 
 
+LEAVING = 1 << 40  # added to a heartbeat counter by a worker on its way out: no hang check from then on
 EXIT_QUEUE = "exits"
 JOIN_QUEUE = "joins"
 ABORT_KEY = "abort"
@@ -212,6 +213,8 @@ class Member:
 
     def close(self) -> None:
         """Stop the threads before the interpreter exits (a thread inside C++ at exit aborts the process)."""
+        if not self._stop.is_set():
+            self.store.add(heartbeat_key(self.env.worker_id), LEAVING)
         self._stop.set()
         for t in self._threads:
             t.join(timeout=2)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -152,7 +153,6 @@ class Runtime:
                 reduced_gen = self.transport.gen
                 faults.point("commit")
                 self._commit(self.adapter.applied_steps(), reduced_gen)
-                faults.point("optimizer")
                 return buf.div_(self.world_size)
             except PeerFailure as exc:
                 if self._recover(pos, reduced_gen=reduced_gen, cause=str(exc)):
@@ -283,4 +283,11 @@ class Runtime:
                 self._pending = (a.entry_step, a.spares)
 
     def close(self) -> None:
+        """At exit: stop the membership threads. If an operation of a replaced group is still stuck in
+        C++, interpreter teardown could crash under it, so such a process leaves through ``os._exit``."""
+        drained = self.transport.drain(timeout=2.0)  # heartbeats go on meanwhile
         self.member.close()
+        if not drained:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(1 if getattr(sys, "last_value", None) is not None else 0)

@@ -9,7 +9,9 @@ later, harmlessly, as a backstop.
 
 from __future__ import annotations
 
+import ctypes
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from datetime import timedelta
@@ -36,6 +38,7 @@ class Transport:
         self.gen = -1
         self.rank = -1
         self.world_size = member.env.world_size
+        self._escaped: list = []  # futures of operations left behind in replaced groups
 
     def stale(self) -> bool:
         return self.member.latest_gen > self.gen
@@ -51,9 +54,25 @@ class Transport:
             except Exception as exc:  # handed over to the waiting thread
                 result.set_exception(exc)
 
+        self._retire(self.pg)
         self.gen, self.rank, self.pg = gen, rank, None
         threading.Thread(target=build, name=f"torchpass-connect-{gen}", daemon=True).start()
         self.pg = self._wait_future(result, f"connect generation {gen}")
+
+    def _retire(self, pg: dist.ProcessGroup | None) -> None:
+        """Drop a replaced group. If one of its operations is still pending, its destructor would join
+        a thread stuck with a dead peer, so the group is kept alive for good instead; closing the groups
+        of the other survivors is what makes such an operation fail and its thread end."""
+        self._escaped = [f for f in self._escaped if not f.done()]
+        if pg is not None and self._escaped:
+            ctypes.pythonapi.Py_IncRef(ctypes.py_object(pg))
+
+    def drain(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` for operations left in replaced groups; True when none is pending."""
+        deadline = time.monotonic() + timeout
+        while any(not f.done() for f in self._escaped) and time.monotonic() < deadline:
+            time.sleep(_TICK)
+        return all(f.done() for f in self._escaped)
 
     def wait(self, work: dist.Work, what: str) -> None:
         try:
@@ -76,6 +95,7 @@ class Transport:
         fut.add_done_callback(lambda _: done.set())
         while not done.wait(_TICK):
             if self.stale():
+                self._escaped.append(fut)
                 raise PeerFailure(f"{what}: generation {self.member.latest_gen} replaced {self.gen}")
         try:
             return fut.result() if isinstance(fut, Future) else fut.value()

@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from torchpass_plugins.events import EventLog
 from torchpass_plugins.launcher.coordinator import DONE_KEY, Coordinator
-from torchpass_plugins.membership import ABORT_KEY, EXIT_QUEUE, WorkerEnv, connect_store, heartbeat_key, prefixed
+from torchpass_plugins.membership import ABORT_KEY, EXIT_QUEUE, LEAVING, WorkerEnv, connect_store, heartbeat_key, prefixed
 
 _TICK = 0.05
 _AGENTS_DONE = "agents_done"
@@ -194,7 +194,7 @@ class Agent:
         now = time.monotonic()
         if beats != slot.beats:
             slot.beats, slot.last_change = beats, now
-        elif beats > 0 and now - slot.last_change > self.config.heartbeat_timeout:
+        elif 0 < beats < LEAVING and now - slot.last_change > self.config.heartbeat_timeout:
             self.events.emit("hang_detected", worker=slot.worker_id, silent_s=now - slot.last_change)
             slot.proc.kill()
             slot.proc.wait()

@@ -27,6 +27,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from torchpass_plugins import faults
 from torchpass_plugins.callback import TorchPassCallback
 from torchpass_plugins.environment import TorchPassEnvironment
 from torchpass_plugins.lightning_adapter import LightningAdapter
@@ -152,7 +153,9 @@ class TorchPassDDPStrategy(ParallelStrategy):
             self._average_gradients(optimizer)
             return result
 
-        return super().optimizer_step(optimizer, closure_then_reduce, model, **kwargs)
+        result = super().optimizer_step(optimizer, closure_then_reduce, model, **kwargs)
+        faults.point("optimizer")
+        return result
 
     def _average_gradients(self, optimizer: Optimizer) -> None:
         params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]

@@ -1,0 +1,194 @@
+"""Steady-state step time: ``torchpass_ddp`` under ``torchpass launch`` vs plain Lightning ``ddp`` under torchrun.
+
+No failure is injected: this is the price of being recoverable. Same model, data and seed in both; runs
+alternate (torchpass, plain, torchpass, plain, ...) so slow drifts of the machine hit both alike. Rank 0
+records ``perf_counter`` after every optimizer step; a run's step time is the median of the step-to-step
+deltas after the warmup steps, and each side's figure is the median over its runs.
+
+Run ``python benchmarks/overhead.py`` (full) or ``--smoke`` (tiny, checks the pipeline only).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import shutil
+import statistics
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from _harness import (
+    BENCH_DIR,
+    DOC,
+    SMOKE_DOC,
+    RunFailed,
+    command_line,
+    install_cleanup,
+    machine,
+    machine_lines,
+    read_steps,
+    run_bounded,
+    summarize,
+    tail,
+    torchpass_cmd,
+    torchrun_cmd,
+    update_section,
+    worker_env,
+)
+
+TORCHPASS, PLAIN = "torchpass_ddp", "ddp"
+DEVICES = 3
+
+
+@dataclass(frozen=True)
+class Size:
+    """Model and schedule of one benchmark mode."""
+
+    features: int
+    hidden: int
+    depth: int
+    classes: int
+    batch_size: int
+    steps: int
+    warmup: int
+    reps: int
+    timeout_s: float
+
+    @property
+    def params(self) -> int:
+        first = self.features * self.hidden + self.hidden
+        middle = (self.depth - 1) * (self.hidden * self.hidden + self.hidden)
+        return first + middle + self.hidden * self.classes + self.classes
+
+
+FULL = Size(features=1024, hidden=1024, depth=4, classes=10, batch_size=64, steps=70, warmup=10, reps=3,
+            timeout_s=600)
+SMOKE = Size(features=32, hidden=64, depth=2, classes=4, batch_size=8, steps=12, warmup=4, reps=1, timeout_s=240)
+
+
+@dataclass
+class Result:
+    """One run: the median step time after warmup and the spread of the deltas."""
+
+    strategy: str
+    rep: int
+    median_ms: float
+    p10_ms: float
+    p90_ms: float
+    steps_timed: int
+
+
+def script_args(size: Size, strategy: str, out: Path) -> list[str]:
+    return ["--strategy", strategy, "--devices", str(DEVICES), "--max-steps", str(size.steps), "--accumulate", "1",
+            "--batch-size", str(size.batch_size), "--features", str(size.features), "--hidden", str(size.hidden),
+            "--depth", str(size.depth), "--classes", str(size.classes), "--out", str(out)]
+
+
+def run_once(size: Size, strategy: str, work: Path, rep: int) -> Result:
+    out = work / "out"
+    args = script_args(size, strategy, out)
+    if strategy == TORCHPASS:
+        cmd = torchpass_cmd(DEVICES, 0, work / "run", args)
+    else:
+        cmd = torchrun_cmd(DEVICES, args)
+    code = run_bounded(cmd, worker_env(), size.timeout_s, work / "launcher.log")
+    if code != 0:
+        raise RunFailed(f"{strategy}: launcher exited {code}\n{tail(work / 'launcher.log')}")
+    rows = read_steps(out).get(0, [])
+    steps = [step for step, *_ in rows]
+    if steps != list(range(size.steps)):
+        raise RunFailed(f"{strategy}: rank 0 recorded steps {steps}, expected 0..{size.steps - 1}")
+    perf = [p for _, _, p, _ in rows]
+    deltas = [(b - a) * 1e3 for a, b in itertools.pairwise(perf[size.warmup :])]
+    if not deltas:
+        raise RunFailed(f"{strategy}: no step after warmup to time")
+    deciles = statistics.quantiles(deltas, n=10) if len(deltas) >= 2 else [deltas[0]] * 9
+    return Result(strategy, rep, statistics.median(deltas), deciles[0], deciles[-1], len(deltas))
+
+
+def render(size: Size, results: list[Result], failures: list[str], smoke: bool, info: dict[str, str]) -> str:
+    by = {s: [r for r in results if r.strategy == s] for s in (TORCHPASS, PLAIN)}
+    med = {s: summarize(r.median_ms for r in rs) for s, rs in by.items()}
+    ratio = med[TORCHPASS][0] / med[PLAIN][0] if by[TORCHPASS] and by[PLAIN] else float("nan")
+    pairs = [a.median_ms / b.median_ms for a in by[TORCHPASS] for b in by[PLAIN] if a.rep == b.rep]
+    launch = {TORCHPASS: "`torchpass launch --nproc-per-node 3 --spares 0`", PLAIN: "`torchrun --nproc-per-node 3`"}
+    lines = ["## Steady-state overhead (`benchmarks/overhead.py`)", ""]
+    if smoke:
+        lines += ["> **Smoke run**: tiny model, one repetition. It checks that the pipeline works; the times "
+                  "are not a measurement.", ""]
+    lines += machine_lines(info, command_line())
+    lines += [
+        f"- Setup: {DEVICES} ranks, no spares, no failure; MLP {size.features} -> {size.hidden}x{size.depth} -> "
+        f"{size.classes} ({size.params:,} parameters), batch {size.batch_size} per rank, no gradient "
+        "accumulation, AdamW, gloo, one intra-op thread per worker, no logging or checkpointing.",
+        f"- Step time: median of rank 0's step-to-step `perf_counter` deltas over steps {size.warmup}.."
+        f"{size.steps - 1} (the first {size.warmup} steps are warmup); runs alternate torchpass / plain.",
+        "- What differs: `torchpass_ddp` reduces the gradient in one flat all-reduce after backward and commits "
+        "the step through the store; `ddp` overlaps bucketed all-reduces with backward.",
+        "",
+        "| Strategy | Launch | Runs | Median step (ms) | Min-max of run medians (ms) | p10-p90 within runs (ms) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for s, rs in by.items():
+        if not rs:
+            continue
+        m, lo, hi = med[s]
+        p10, p90 = statistics.median(r.p10_ms for r in rs), statistics.median(r.p90_ms for r in rs)
+        lines.append(f"| `{s}` | {launch[s]} | {len(rs)} | {m:.1f} | {lo:.1f}-{hi:.1f} | {p10:.1f}-{p90:.1f} |")
+    spread = f"; per interleaved pair {min(pairs):.3f}-{max(pairs):.3f}" if pairs else ""
+    lines += ["", f"**Step time torchpass / plain: {ratio:.3f}** (medians{spread}).", ""]
+    if failures:
+        lines += [f"Failed runs ({len(failures)}), left out:", ""]
+        lines += [f"- {f.splitlines()[0]}" for f in failures]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--smoke", action="store_true", help="tiny sizes, one repetition; asserts only that rows came out")
+    p.add_argument("--reps", type=int, default=None, help="runs per strategy (default: 3, smoke: 1)")
+    p.add_argument("--doc", type=Path, default=None,
+                   help="markdown file to update (default: docs/benchmarks.md; smoke: benchmarks/out/...-smoke.md)")
+    args = p.parse_args(argv)
+    install_cleanup()
+    size = SMOKE if args.smoke else FULL
+    reps = args.reps or size.reps
+    if not args.smoke and reps < 3:
+        p.error("full mode needs --reps >= 3 (the table reports medians)")
+    info = machine()
+    work_root = BENCH_DIR / "out" / ("overhead-smoke" if args.smoke else "overhead")
+    shutil.rmtree(work_root, ignore_errors=True)
+    results: list[Result] = []
+    failures: list[str] = []
+    for rep in range(reps):
+        for strategy in (TORCHPASS, PLAIN):
+            print(f"[overhead] rep {rep} {strategy} ...", flush=True)
+            try:
+                r = run_once(size, strategy, work_root / f"rep{rep}-{strategy}", rep)
+            except RunFailed as exc:
+                failures.append(f"rep {rep} {strategy}: {exc}")
+                print(f"[overhead] rep {rep} {strategy} FAILED: {exc}", file=sys.stderr, flush=True)
+                if args.smoke:
+                    return 1
+                continue
+            results.append(r)
+            print(f"[overhead] rep {rep} {strategy}: median step {r.median_ms:.2f} ms over {r.steps_timed} steps "
+                  f"(p10 {r.p10_ms:.2f}, p90 {r.p90_ms:.2f})", flush=True)
+    doc = args.doc or (SMOKE_DOC if args.smoke else DOC)
+    body = render(size, results, failures, args.smoke, info)
+    update_section(doc, "overhead", body)
+    raw = work_root.parent / f"{work_root.name}.json"
+    raw.write_text(json.dumps({"machine": info, "size": asdict(size), "results": [asdict(r) for r in results],
+                               "failures": failures}, indent=2))
+    print(body)
+    print(f"[overhead] wrote section 'overhead' of {doc} and raw results {raw}")
+    if {r.strategy for r in results} != {TORCHPASS, PLAIN}:
+        print("[overhead] missing results for one strategy", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
