@@ -4,7 +4,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from jobs import Job, run
 
 STEPS = 20

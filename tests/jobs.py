@@ -56,7 +56,7 @@ class Job:
 
     def applied(self, rank: int) -> list[int]:
         path = self.out / f"applied_rank{rank}.txt"
-        return [int(x) for x in path.read_text().split()] if path.exists() else []
+        return [int(line.split()[0]) for line in path.read_text().splitlines()] if path.exists() else []
 
     def final(self) -> dict:
         return torch.load(self.out / "final.pt", weights_only=True)

@@ -11,7 +11,6 @@ import signal
 
 import pytest
 from conftest import STEPS, assert_bit_exact
-
 from jobs import run, start
 
 TRAIN = ("--devices", "3", "--max-steps", str(STEPS))

@@ -7,8 +7,11 @@ users of the same store.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
+import signal
+import sys
 import threading
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -143,6 +146,15 @@ class WorkerEnv:
         }
 
 
+def _die_with_agent() -> None:
+    """Ask Linux for SIGKILL when the agent dies, so no worker outlives its supervisor."""
+    agent = int(os.environ.get("TORCHPASS_AGENT_PID", "0"))
+    if agent and sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        if os.getppid() != agent:  # the agent died before we asked
+            os._exit(1)
+
+
 @dataclass
 class Member:
     """A worker's view of the job: registration, heartbeat, assignment and the roster watch."""
@@ -164,6 +176,7 @@ class Member:
         return prefixed(self._client.clone())
 
     def join(self) -> None:
+        _die_with_agent()
         self.store.set(f"join/{self.env.worker_id}", self.env.token)
         self.store.queue_push(JOIN_QUEUE, self.env.worker_id)
         self._start(self._beat, "torchpass-heartbeat")

@@ -55,7 +55,7 @@ class Classifier(L.LightningModule):
         # Runs once the reduced gradient is committed: the step is then applied exactly here.
         if self.out_dir is not None:
             with open(self.out_dir / f"applied_rank{self.global_rank}.txt", "a") as f:
-                f.write(f"{self.trainer.global_step}\n")
+                f.write(f"{self.trainer.global_step} {time.time()}\n")
 
     def configure_optimizers(self):
         opt = torch.optim.AdamW(self.parameters(), lr=self.hparams.lr, weight_decay=0.01)

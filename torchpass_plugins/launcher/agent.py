@@ -7,7 +7,6 @@ see), and by default starts a fresh worker in the freed slot, which joins the sp
 
 from __future__ import annotations
 
-import ctypes
 import hashlib
 import json
 import os
@@ -24,7 +23,15 @@ import torch.distributed as dist
 
 from torchpass_plugins.events import EventLog
 from torchpass_plugins.launcher.coordinator import DONE_KEY, Coordinator
-from torchpass_plugins.membership import ABORT_KEY, EXIT_QUEUE, LEAVING, WorkerEnv, connect_store, heartbeat_key, prefixed
+from torchpass_plugins.membership import (
+    ABORT_KEY,
+    EXIT_QUEUE,
+    LEAVING,
+    WorkerEnv,
+    connect_store,
+    heartbeat_key,
+    prefixed,
+)
 
 _TICK = 0.05
 _AGENTS_DONE = "agents_done"
@@ -141,9 +148,8 @@ class Agent:
         )
         slot.proc = subprocess.Popen(
             [sys.executable, "-u", *cfg.command],
-            env={**os.environ, **env.to_env(), "PYTHONUNBUFFERED": "1"},
+            env={**os.environ, **env.to_env(), "PYTHONUNBUFFERED": "1", "TORCHPASS_AGENT_PID": str(os.getpid())},
             start_new_session=True,
-            preexec_fn=_die_with_parent,
         )
         slot.beats, slot.last_change = 0, time.monotonic()
         self.events.emit("worker_started", worker=slot.worker_id, pid=slot.proc.pid, slot=slot.index)
@@ -228,12 +234,6 @@ class Agent:
 
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, handler)
-
-
-def _die_with_parent() -> None:
-    """Workers get SIGKILL if their agent dies, so no worker outlives its supervisor (Linux)."""
-    if sys.platform.startswith("linux"):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
 def launch(config: LaunchConfig) -> int:
