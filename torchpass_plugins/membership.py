@@ -117,7 +117,7 @@ class WorkerEnv:
 
     @classmethod
     def from_env(cls) -> WorkerEnv | None:
-        if "TORCHPASS_STORE" not in os.environ:
+        if not os.environ.get("TORCHPASS_STORE"):
             return None
         e = os.environ
         return cls(

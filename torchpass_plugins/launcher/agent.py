@@ -25,6 +25,7 @@ from torchpass_plugins.events import EventLog
 from torchpass_plugins.launcher.coordinator import DONE_KEY, Coordinator
 from torchpass_plugins.membership import (
     ABORT_KEY,
+    CONFIG_ERROR_EXIT,
     EXIT_QUEUE,
     LEAVING,
     WorkerEnv,
@@ -177,7 +178,7 @@ class Agent:
                     continue
                 self._report_exit(slot, code)
                 slot.proc = None
-                if code != 0 and cfg.refill and not done:
+                if code not in (0, CONFIG_ERROR_EXIT) and cfg.refill and not done:
                     slot.incarnation += 1
                     self._spawn(slot)
                     alive += 1

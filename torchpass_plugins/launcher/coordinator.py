@@ -144,6 +144,8 @@ class Coordinator:
         self.events.emit("job_finished", outcome=outcome)
 
     def _abort(self, message: str) -> None:
+        if self.outcome is not None:
+            return
         self.store.set(roster_key(self.gen + 1), Roster(self.gen + 1, tuple(self.ranks), abort=message).to_json())
         self.store.set(ABORT_KEY, message)
         self.events.emit("job_aborted", message=message)

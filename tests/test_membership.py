@@ -1,0 +1,115 @@
+"""Coordinator decisions and the escapable transport, on a real TCPStore and real gloo groups."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+
+from torchpass_plugins.events import EventLog, read_events
+from torchpass_plugins.launcher.coordinator import DONE_KEY, Coordinator
+from torchpass_plugins.membership import (
+    ABORT_KEY,
+    EXIT_QUEUE,
+    JOIN_QUEUE,
+    Member,
+    Roster,
+    WorkerEnv,
+    assign_key,
+    connect_store,
+    prefixed,
+    roster_key,
+)
+from torchpass_plugins.transport import PeerFailure, Transport
+
+
+@pytest.fixture
+def store():
+    master = connect_store("127.0.0.1:0", is_master=True, timeout=30)
+    return master, prefixed(master)
+
+
+def _join(store, worker: str, token: str = "tok") -> None:
+    store.set(f"join/{worker}", token)
+    store.queue_push(JOIN_QUEUE, worker)
+
+
+def _exit(store, worker: str, code: int) -> None:
+    store.queue_push(EXIT_QUEUE, json.dumps({"worker": worker, "code": code, "why": f"code {code}"}))
+
+
+def _assignment(store, worker: str) -> dict:
+    return json.loads(store.get(assign_key(worker)))
+
+
+def test_coordinator_replaces_lost_ranks_then_aborts_when_no_spare_is_left(store, tmp_path):
+    _, s = store
+    c = Coordinator(s, "tok", processes=3, world_size=2, events=EventLog(tmp_path / "events.jsonl"))
+    for w in ("n0-s2-i0", "n0-s0-i0", "n0-s1-i0"):
+        _join(s, w)
+    c.poll()
+    assert Roster.from_json(s.get(roster_key(0))).ranks == ("n0-s0-i0", "n0-s1-i0")
+    assert _assignment(s, "n0-s1-i0") == {"gen": 0, "rank": 1}
+    assert not s.check([assign_key("n0-s2-i0")])  # the spare waits
+
+    _exit(s, "n0-s1-i0", -9)
+    c.poll()
+    assert Roster.from_json(s.get(roster_key(1))).ranks == ("n0-s0-i0", "n0-s2-i0")
+    assert _assignment(s, "n0-s2-i0") == {"gen": 1, "rank": 1}
+
+    _exit(s, "n0-s0-i0", -9)
+    c.poll()
+    message = s.get(ABORT_KEY).decode()
+    assert "0 spare(s) left" in message and "--spares" in message
+    assert Roster.from_json(s.get(roster_key(2))).abort == message
+    assert [e["event"] for e in read_events(tmp_path)].count("failure_detected") == 2
+
+
+def test_coordinator_rejects_a_wrong_token_and_releases_spares_at_the_end(store, tmp_path):
+    _, s = store
+    c = Coordinator(s, "tok", processes=2, world_size=1, events=EventLog(None))
+    _join(s, "n0-s9-i0", token="guess")
+    _join(s, "n0-s0-i0")
+    _join(s, "n0-s1-i0")
+    c.poll()
+    assert "reject" in _assignment(s, "n0-s9-i0")
+    assert _assignment(s, "n0-s0-i0") == {"gen": 0, "rank": 0}
+    _exit(s, "n0-s0-i0", 0)
+    c.poll()
+    assert s.get(DONE_KEY) == b"done"
+    assert _assignment(s, "n0-s1-i0") == {"exit": "done"}
+
+
+def test_a_blocked_collective_escapes_when_a_newer_roster_appears(store):
+    master, s = store
+    endpoint = f"127.0.0.1:{master.port}"
+    members = []
+    for rank in (0, 1):
+        env = WorkerEnv(store=endpoint, token="tok", worker_id=f"n0-s{rank}-i0", world_size=2, node_rank=0,
+                        local_slot=rank, run_dir="", seed=0, heartbeat_interval=0.5)
+        members.append(Member(env))
+    transports = [Transport(m, timedelta(seconds=60)) for m in members]
+    threads = [threading.Thread(target=t.connect, args=(0, r)) for r, t in enumerate(transports)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(timeout=30)
+    members[0].watch_from(0)
+
+    def publish_later() -> None:
+        time.sleep(0.5)
+        s.set(roster_key(1), Roster(1, ("n0-s0-i0", "n0-s2-i0")).to_json())
+
+    threading.Thread(target=publish_later).start()
+    t0 = time.monotonic()
+    with pytest.raises(PeerFailure, match="generation 1 replaced 0"):
+        transports[0].all_reduce(torch.ones(4))  # rank 1 never joins this collective
+    assert time.monotonic() - t0 < 5  # the group's own timeout is 60 s
+    transports[1].all_reduce(torch.ones(4))  # lets the abandoned operation finish
+    assert transports[0].drain(timeout=10)
+    for m in members:
+        m.close()

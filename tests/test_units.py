@@ -1,0 +1,73 @@
+"""Small pieces with no training: per-step RNG, fault specs, the resume sampler, launch validation."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from torch.utils.data import DistributedSampler
+
+from torchpass_plugins import rng
+from torchpass_plugins.faults import Fault
+from torchpass_plugins.launcher import LaunchConfig
+from torchpass_plugins.sampler import ResumeSampler
+
+
+def test_step_seeds_are_distinct_and_stable():
+    seeds = {rng.step_seed(7, r, s) for r in range(4) for s in range(1000)}
+    assert len(seeds) == 4000
+    assert rng.step_seed(7, 1, 5) == rng.step_seed(7, 1, 5)
+
+
+def test_reseed_reproduces_every_stream():
+    rng.reseed(3, 1, 10)
+    first = (torch.rand(3), random.random())
+    torch.rand(100)
+    rng.reseed(3, 1, 10)
+    again = (torch.rand(3), random.random())
+    assert torch.equal(first[0], again[0]) and first[1] == again[1]
+
+
+def test_fault_parse():
+    assert Fault.parse("kill@rank=1,step=5,phase=reduce") == Fault("kill", 1, 5, "reduce")
+    assert Fault.parse("stop@rank=0,step=2") == Fault("stop", 0, 2, "boundary")
+    with pytest.raises(ValueError, match="phases"):
+        Fault.parse("kill@rank=1,step=5,phase=nowhere")
+
+
+def test_resume_sampler_skips_only_the_resumed_epoch():
+    inner = DistributedSampler(range(40), num_replicas=2, rank=1, shuffle=True, seed=3)
+    inner.set_epoch(2)
+    full = list(inner)
+    sampler = ResumeSampler(inner, skip=6, epoch=2)
+    assert list(sampler) == full[6:]
+    assert len(sampler) == len(full)
+    sampler.set_epoch(3)
+    inner_next = DistributedSampler(range(40), num_replicas=2, rank=1, shuffle=True, seed=3)
+    inner_next.set_epoch(3)
+    assert list(sampler) == list(inner_next)
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"spares": -1}, "--spares must be >= 0"),
+        ({"spares": 4}, "leaves no active rank"),
+        ({"nproc_per_node": 0}, "at least 1"),
+        ({"nnodes": 2, "node_rank": 2, "token": "t", "rdzv_endpoint": "h:1"}, "--node-rank"),
+        ({"nnodes": 2, "rdzv_endpoint": "h:1"}, "TORCHPASS_JOIN_TOKEN"),
+        ({"nnodes": 2, "token": "t"}, "fixed --rdzv-endpoint"),
+        ({"heartbeat_timeout": 0.1}, "--heartbeat-timeout"),
+    ],
+)
+def test_launch_config_rejects_impossible_layouts(changes, message):
+    config = LaunchConfig(command=["train.py"], **{"nproc_per_node": 4, **changes})
+    with pytest.raises(ValueError, match=message):
+        config.validate()
+
+
+def test_launch_config_counts_active_ranks():
+    config = LaunchConfig(command=["t.py"], nproc_per_node=3, nnodes=2, spares=2, token="t", rdzv_endpoint="h:29500")
+    config.validate()
+    assert (config.processes, config.world_size) == (6, 4)
