@@ -8,6 +8,7 @@ finds every process we caused, whatever session it moved to, and cleanup can kil
 
 from __future__ import annotations
 
+import argparse
 import atexit
 import ctypes
 import datetime as dt
@@ -16,6 +17,7 @@ import os
 import platform
 import re
 import shlex
+import shutil
 import signal
 import socket
 import statistics
@@ -290,3 +292,32 @@ def update_section(doc: Path, name: str, body: str) -> None:
     tmp = doc.with_suffix(doc.suffix + ".tmp")
     tmp.write_text(text)
     tmp.replace(doc)
+
+
+def bench_args(description: str, argv: list[str] | None) -> argparse.Namespace:
+    """The flags every benchmark takes: ``--smoke``, ``--reps`` (>= 3 in full mode), ``--doc``."""
+    p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--smoke", action="store_true", help="tiny sizes, one repetition; asserts only that rows came out")
+    p.add_argument("--reps", type=int, default=None, help="repetitions per contender (default: 3, smoke: 1)")
+    p.add_argument("--doc", type=Path, default=None,
+                   help="markdown file to update (default: docs/benchmarks.md; smoke: benchmarks/out/...-smoke.md)")
+    args = p.parse_args(argv)
+    if not args.smoke and args.reps is not None and args.reps < 3:
+        p.error("full mode needs --reps >= 3 (the table reports medians)")
+    args.doc = args.doc or (SMOKE_DOC if args.smoke else DOC)
+    return args
+
+
+def fresh_work_root(name: str, smoke: bool) -> Path:
+    root = BENCH_DIR / "out" / (f"{name}-smoke" if smoke else name)
+    shutil.rmtree(root, ignore_errors=True)
+    return root
+
+
+def publish(name: str, doc: Path, body: str, work_root: Path, raw: dict[str, Any]) -> None:
+    """Write the table into its section of ``doc`` and the raw results beside the run directories."""
+    update_section(doc, name, body)
+    raw_path = work_root.parent / f"{work_root.name}.json"
+    raw_path.write_text(json.dumps(raw, indent=2))
+    print(body)
+    print(f"[{name}] wrote section {name!r} of {doc} and raw results {raw_path}")

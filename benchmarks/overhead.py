@@ -10,31 +10,27 @@ Run ``python benchmarks/overhead.py`` (full) or ``--smoke`` (tiny, checks the pi
 
 from __future__ import annotations
 
-import argparse
 import itertools
-import json
-import shutil
 import statistics
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from _harness import (
-    BENCH_DIR,
-    DOC,
-    SMOKE_DOC,
     RunFailed,
+    bench_args,
     command_line,
+    fresh_work_root,
     install_cleanup,
     machine,
     machine_lines,
+    publish,
     read_steps,
     run_bounded,
     summarize,
     tail,
     torchpass_cmd,
     torchrun_cmd,
-    update_section,
     worker_env,
 )
 
@@ -146,20 +142,12 @@ def render(size: Size, results: list[Result], failures: list[str], smoke: bool, 
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--smoke", action="store_true", help="tiny sizes, one repetition; asserts only that rows came out")
-    p.add_argument("--reps", type=int, default=None, help="runs per strategy (default: 3, smoke: 1)")
-    p.add_argument("--doc", type=Path, default=None,
-                   help="markdown file to update (default: docs/benchmarks.md; smoke: benchmarks/out/...-smoke.md)")
-    args = p.parse_args(argv)
+    args = bench_args(__doc__, argv)
     install_cleanup()
     size = SMOKE if args.smoke else FULL
     reps = args.reps or size.reps
-    if not args.smoke and reps < 3:
-        p.error("full mode needs --reps >= 3 (the table reports medians)")
     info = machine()
-    work_root = BENCH_DIR / "out" / ("overhead-smoke" if args.smoke else "overhead")
-    shutil.rmtree(work_root, ignore_errors=True)
+    work_root = fresh_work_root("overhead", args.smoke)
     results: list[Result] = []
     failures: list[str] = []
     for rep in range(reps):
@@ -176,14 +164,9 @@ def main(argv: list[str] | None = None) -> int:
             results.append(r)
             print(f"[overhead] rep {rep} {strategy}: median step {r.median_ms:.2f} ms over {r.steps_timed} steps "
                   f"(p10 {r.p10_ms:.2f}, p90 {r.p90_ms:.2f})", flush=True)
-    doc = args.doc or (SMOKE_DOC if args.smoke else DOC)
     body = render(size, results, failures, args.smoke, info)
-    update_section(doc, "overhead", body)
-    raw = work_root.parent / f"{work_root.name}.json"
-    raw.write_text(json.dumps({"machine": info, "size": asdict(size), "results": [asdict(r) for r in results],
-                               "failures": failures}, indent=2))
-    print(body)
-    print(f"[overhead] wrote section 'overhead' of {doc} and raw results {raw}")
+    raw = {"machine": info, "size": asdict(size), "results": [asdict(r) for r in results], "failures": failures}
+    publish("overhead", args.doc, body, work_root, raw)
     if {r.strategy for r in results} != {TORCHPASS, PLAIN}:
         print("[overhead] missing results for one strategy", file=sys.stderr)
         return 1

@@ -12,22 +12,19 @@ Run ``python benchmarks/regain.py`` (full) or ``--smoke`` (tiny, checks the pipe
 
 from __future__ import annotations
 
-import argparse
-import json
-import shutil
 import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from _harness import (
-    BENCH_DIR,
-    DOC,
-    SMOKE_DOC,
     RunFailed,
+    bench_args,
     command_line,
+    fresh_work_root,
     install_cleanup,
     machine,
     machine_lines,
+    publish,
     read_events,
     read_steps,
     run_bounded,
@@ -35,7 +32,6 @@ from _harness import (
     tail,
     torchpass_cmd,
     torchrun_cmd,
-    update_section,
     worker_env,
 )
 
@@ -229,20 +225,12 @@ def render(size: Size, results: list[Result], failures: list[str], smoke: bool, 
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--smoke", action="store_true", help="tiny sizes, one repetition; asserts only that rows came out")
-    p.add_argument("--reps", type=int, default=None, help="repetitions per mode (default: 3, smoke: 1)")
-    p.add_argument("--doc", type=Path, default=None,
-                   help="markdown file to update (default: docs/benchmarks.md; smoke: benchmarks/out/...-smoke.md)")
-    args = p.parse_args(argv)
+    args = bench_args(__doc__, argv)
     install_cleanup()
     size = SMOKE if args.smoke else FULL
     reps = args.reps or size.reps
-    if not args.smoke and reps < 3:
-        p.error("full mode needs --reps >= 3 (the table reports medians)")
     info = machine()
-    work_root = BENCH_DIR / "out" / ("regain-smoke" if args.smoke else "regain")
-    shutil.rmtree(work_root, ignore_errors=True)
+    work_root = fresh_work_root("regain", args.smoke)
     results: list[Result] = []
     failures: list[str] = []
     for rep in range(reps):
@@ -260,14 +248,9 @@ def main(argv: list[str] | None = None) -> int:
             results.append(r)
             print(f"[regain] rep {rep} {mode}: regain {r.regain_s:.3f} s, recomputed {r.steps_recomputed} "
                   f"step(s), per rank {({k: round(v, 3) for k, v in r.per_rank_s.items()})} {r.extra}", flush=True)
-    doc = args.doc or (SMOKE_DOC if args.smoke else DOC)
     body = render(size, results, failures, args.smoke, info)
-    update_section(doc, "regain", body)
-    raw = work_root.parent / f"{work_root.name}.json"
-    raw.write_text(json.dumps({"machine": info, "size": asdict(size), "results": [asdict(r) for r in results],
-                               "failures": failures}, indent=2))
-    print(body)
-    print(f"[regain] wrote section 'regain' of {doc} and raw results {raw}")
+    raw = {"machine": info, "size": asdict(size), "results": [asdict(r) for r in results], "failures": failures}
+    publish("regain", args.doc, body, work_root, raw)
     modes = {r.mode for r in results}
     if modes != {TORCHPASS, CKPT}:
         print(f"[regain] missing results for {sorted({TORCHPASS, CKPT} - modes)}", file=sys.stderr)

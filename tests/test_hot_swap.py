@@ -52,6 +52,13 @@ def test_injected_failure(tmp_path, reference, fault, what):
     assert len(job.events("failure_detected")) == 1, what
 
 
+def test_kill_during_a_bucketed_reduction(tmp_path, reference):
+    # 5 kB buckets: the model's gradient spans several buckets, issued while backward runs.
+    bucketed = ("--bucket-cap-mb", "0.005")
+    job, codes = run(tmp_path, train_args=(*TRAIN, *bucketed), faults="kill@rank=1,step=6,phase=reduce")
+    assert_bit_exact(job, codes, reference(3, bucketed))
+
+
 def test_hang_is_detected_by_the_heartbeat(tmp_path, reference):
     job, codes = run(tmp_path, train_args=TRAIN, faults="stop@rank=1,step=5,phase=boundary",
                      launch_args=("--heartbeat-timeout", "3"))
@@ -95,6 +102,22 @@ def test_more_failures_than_spares_stop_the_job_clearly(tmp_path):
     job, codes = run(tmp_path, train_args=TRAIN, launch_args=("--no-refill",),
                      faults="kill@rank=1,step=3,phase=boundary;kill@rank=2,step=8,phase=boundary")
     assert codes == [1]
+    assert job.output().count("torchpass: job aborted: 2 worker(s) lost") + job.output().count(
+        "torchpass: job aborted: 1 worker(s) lost") == 1, job.output()[-3000:]
     assert "but 0 spare(s) left" in job.output() and "--spares" in job.output()
+    assert "Traceback" not in job.output()
     assert len(job.events("job_aborted")) >= 1
+    assert job.leftovers() == []
+
+
+def test_sigterm_to_the_agent_stops_every_worker(tmp_path):
+    job = start(tmp_path, train_args=(*TRAIN, "--sleep-per-step", "0.2"))
+    try:
+        job.wait_until(lambda: len(job.applied(0)) >= 2, "training to start")
+        job.agents[0].send_signal(signal.SIGTERM)
+        codes = job.wait(timeout=60)
+    finally:
+        job.kill()
+    assert codes == [128 + signal.SIGTERM]
+    assert job.events("agent_signalled")
     assert job.leftovers() == []

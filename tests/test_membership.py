@@ -23,6 +23,7 @@ from torchpass_plugins.membership import (
     connect_store,
     prefixed,
     roster_key,
+    watch_key,
 )
 from torchpass_plugins.transport import PeerFailure, Transport
 
@@ -59,6 +60,7 @@ def test_coordinator_replaces_lost_ranks_then_aborts_when_no_spare_is_left(store
     _exit(s, "n0-s1-i0", -9)
     c.poll()
     assert Roster.from_json(s.get(roster_key(1))).ranks == ("n0-s0-i0", "n0-s2-i0")
+    assert s.check([watch_key("n0-s0-i0", 1), watch_key("n0-s1-i0", 1)])  # survivors' watches woken
     assert _assignment(s, "n0-s2-i0") == {"gen": 1, "rank": 1}
 
     _exit(s, "n0-s0-i0", -9)
@@ -103,6 +105,7 @@ def test_a_blocked_collective_escapes_when_a_newer_roster_appears(store):
     def publish_later() -> None:
         time.sleep(0.5)
         s.set(roster_key(1), Roster(1, ("n0-s0-i0", "n0-s2-i0")).to_json())
+        s.set(watch_key("n0-s0-i0", 1), b"1")  # as the coordinator does
 
     threading.Thread(target=publish_later).start()
     t0 = time.monotonic()

@@ -15,7 +15,7 @@ from datetime import timedelta
 from lightning.fabric.plugins.environments import ClusterEnvironment
 from typing_extensions import override
 
-from torchpass_plugins.membership import CONFIG_ERROR_EXIT, ConfigError, WorkerEnv
+from torchpass_plugins.membership import CONFIG_ERROR_EXIT, ConfigError, JobAborted, WorkerEnv
 from torchpass_plugins.runtime import Runtime
 
 log = logging.getLogger(__name__)
@@ -52,10 +52,13 @@ def current_runtime(timeout: timedelta = timedelta(minutes=5)) -> Runtime:
 
 def _exit_job_on_config_error() -> None:
     """A ``ConfigError`` that reaches the top of a worker exits with ``CONFIG_ERROR_EXIT``, which makes the
-    agent stop the whole job with the message instead of handing the same mistake to a spare."""
+    agent stop the whole job with the message instead of handing the same mistake to a spare. A
+    ``JobAborted`` leaves quietly: the agent prints the coordinator's message once for the whole job."""
     previous = sys.excepthook
 
     def hook(exc_type, exc, tb) -> None:
+        if issubclass(exc_type, JobAborted):
+            os._exit(1)
         previous(exc_type, exc, tb)
         if issubclass(exc_type, ConfigError):
             sys.stderr.flush()

@@ -4,7 +4,6 @@ restore path, in memory."""
 
 from __future__ import annotations
 
-import copy
 import logging
 from typing import TYPE_CHECKING, Any
 
@@ -16,6 +15,10 @@ if TYPE_CHECKING:
     from torchpass_plugins.strategies.ddp import TorchPassDDPStrategy
 
 log = logging.getLogger(__name__)
+
+
+def _is_stateful(obj: Any) -> bool:
+    return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
 
 
 class LightningAdapter:
@@ -33,7 +36,7 @@ class LightningAdapter:
         return self.trainer.global_step
 
     def boundary_snapshot(self) -> Any:
-        return copy.deepcopy(self.trainer.fit_loop.state_dict())
+        return self.trainer.fit_loop.state_dict()  # built afresh from the progress objects: a snapshot
 
     def boundary_state(self, snapshot: Any) -> Any:
         checkpoint = self.trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
@@ -71,8 +74,8 @@ class LightningAdapter:
         epoch, batches = self._resume
         self._resume = None
         sampler = getattr(dataloader, "sampler", None)
-        if batches == 0:
-            return dataloader
+        if batches == 0 or _is_stateful(dataloader):
+            return dataloader  # a stateful loader is repositioned by Lightning's loop restore itself
         if not hasattr(sampler, "set_epoch") or dataloader.batch_size is None:
             raise TypeError(
                 "torchpass: a spare can only resume a map-style DataLoader with a batch_size and a sampler "

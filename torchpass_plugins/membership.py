@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 PREFIX = "torchpass"
 _POLL_S = 0.02
+_WATCH_WAIT = timedelta(hours=1)  # a bound only: the coordinator or ``close`` ends the wait
 
 
 class JobAborted(RuntimeError):
@@ -45,11 +46,17 @@ def heartbeat_key(worker_id: str) -> str:
     return f"hb/{worker_id}"
 
 
+def watch_key(worker_id: str, gen: int) -> str:
+    """Set by the coordinator for every worker concerned when roster ``gen`` is published."""
+    return f"watch/{worker_id}/{gen}"
+
+
 def commit_key(step: int, gen: int) -> str:
     return f"commit/{step}/{gen}"
 
 
 LEAVING = 1 << 40  # added to a heartbeat counter by a worker on its way out: no hang check from then on
+WAKE = b"wake"  # written by the roster watch into a key the main thread waits on, to end the wait
 EXIT_QUEUE = "exits"
 JOIN_QUEUE = "joins"
 ABORT_KEY = "abort"
@@ -164,6 +171,7 @@ class Member:
     gen: int = field(init=False, default=-1)
     latest_gen: int = field(init=False, default=-1)
     changed: threading.Event = field(init=False, default_factory=threading.Event)
+    wake_key: str | None = field(init=False, default=None)  # a store key the main thread is waiting on
     _stop: threading.Event = field(init=False, default_factory=threading.Event)
     _threads: list[threading.Thread] = field(init=False, default_factory=list)
 
@@ -198,14 +206,21 @@ class Member:
             self._start(self._watch, "torchpass-watch")
 
     def _watch(self) -> None:
+        """Blocks in the store (no polling) until the coordinator flags the next roster for this worker."""
         store = self._thread_store()
-        while not self._stop.is_set():
+        while True:
+            key = watch_key(self.env.worker_id, self.latest_gen + 1)
             try:
-                wait_key(store, roster_key(self.latest_gen + 1), self._stop)
-            except InterruptedError:
+                store.wait([key], _WATCH_WAIT)
+            except dist.DistStoreError:
+                continue
+            if self._stop.is_set():
                 return
             self.latest_gen += 1
             self.changed.set()
+            key = self.wake_key
+            if key is not None:
+                store.set(key, WAKE)
 
     def _beat(self) -> None:
         store = self._thread_store()
@@ -229,5 +244,6 @@ class Member:
         if not self._stop.is_set():
             self.store.add(heartbeat_key(self.env.worker_id), LEAVING)
         self._stop.set()
+        self.store.set(watch_key(self.env.worker_id, self.latest_gen + 1), b"closing")  # ends the watch
         for t in self._threads:
             t.join(timeout=2)

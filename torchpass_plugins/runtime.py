@@ -20,16 +20,18 @@ from datetime import timedelta
 from typing import Any, Protocol, TypeVar
 
 import torch
+import torch.distributed as dist
 
 from torchpass_plugins import faults, rng
 from torchpass_plugins.events import EventLog
-from torchpass_plugins.membership import JobAborted, Member, WorkerEnv, commit_key
+from torchpass_plugins.grad_buckets import GradientBuckets
+from torchpass_plugins.membership import WAKE, JobAborted, Member, WorkerEnv, commit_key
 from torchpass_plugins.state_transfer import recv_state, send_state
 from torchpass_plugins.transport import PeerFailure, Transport
 
 T = TypeVar("T")
 _BEFORE_LOOP = (-1, -1)
-_COMMIT_POLL_S = 0.0005
+_COMMIT_WAIT = timedelta(seconds=30)  # a backstop only: a newer roster ends the wait at once
 
 
 class SpareReleased(SystemExit):
@@ -133,40 +135,55 @@ class Runtime:
             except PeerFailure as exc:
                 self._recover(pos, reduced_gen=None, cause=str(exc))
 
-    def reduce_gradients(self, local: torch.Tensor) -> torch.Tensor:
-        """Average ``local`` (a flat gradient) over the ranks and commit the step; ``local`` stays intact.
+    def reduce_gradients(self, buckets: GradientBuckets) -> None:
+        """All-reduce the gradient buckets and commit the step; then the buckets hold the sum.
 
         The step is committed once every rank confirmed its reduction in the store; until then a failure
-        makes everyone retry the reduction (the spare recomputes its predecessor's contribution).
+        makes everyone retry the reduction from the intact local gradients (the spare recomputes its
+        predecessor's).
         """
         pos = (self.step, self.count)
         self.count += 1
         if self._behind(pos):
             raise AssertionError(f"torchpass: gradient reduction at {pos} behind target {self.target}")
         while True:
-            buf = local.clone()
             reduced_gen = None
             try:
                 if self.transport.stale() or self.transport.pg is None:
                     raise PeerFailure("newer roster")
-                self.transport.all_reduce(buf, issued=lambda: faults.point("reduce"))
+                buckets.complete(self.transport, issued=lambda: faults.point("reduce"))
                 reduced_gen = self.transport.gen
                 faults.point("commit")
                 self._commit(self.adapter.applied_steps(), reduced_gen)
-                return buf.div_(self.world_size)
+                return
             except PeerFailure as exc:
                 if self._recover(pos, reduced_gen=reduced_gen, cause=str(exc)):
-                    return buf.div_(self.world_size)
+                    return
 
     def _commit(self, step: int, gen: int) -> None:
+        """Count this rank's reduction; return once all W ranks counted (the step is then committed).
+
+        Waiting is a blocking ``Store.wait`` on the key the last rank sets; the roster watch writes
+        ``WAKE`` into it when a newer roster appears, and the counter decides what the wake-up means.
+        """
         store, key = self.member.store, commit_key(step, gen)
         if store.add(key, 1) >= self.world_size:
             store.set(key + "/ok", b"1")
             return
-        while not store.check([key + "/ok"]):
-            if self.transport.stale():
+        self.member.wake_key = key + "/ok"
+        try:
+            while True:
+                if self.transport.stale():
+                    raise PeerFailure(f"commit of step {step}: newer roster")
+                try:
+                    store.wait([key + "/ok"], _COMMIT_WAIT)
+                except dist.DistStoreError:
+                    continue
+                if store.get(key + "/ok") != WAKE or store.add(key, 0) >= self.world_size:
+                    return
                 raise PeerFailure(f"commit of step {step}: newer roster")
-            time.sleep(_COMMIT_POLL_S)
+        finally:
+            self.member.wake_key = None
 
     def _behind(self, pos: tuple[int, int]) -> bool:
         if self.target is None:

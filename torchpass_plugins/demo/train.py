@@ -19,7 +19,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import torchpass_plugins  # noqa: F401  (registers "torchpass_ddp")
-from torchpass_plugins import TorchPassCallback
+from torchpass_plugins import TorchPassCallback, TorchPassDDPStrategy
 
 
 def make_dataset(samples: int = 480, features: int = 16, classes: int = 4) -> TensorDataset:
@@ -73,6 +73,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--progress", action="store_true")
     p.add_argument("--sleep-per-step", type=float, default=0.0)
+    p.add_argument("--bucket-cap-mb", type=float, default=None, help="gradient bucket size (several buckets)")
     args = p.parse_args(argv)
 
     L.seed_everything(7)
@@ -84,7 +85,7 @@ def main(argv: list[str] | None = None) -> None:
     loader = DataLoader(make_dataset(), batch_size=args.batch_size, shuffle=True)
     trainer = L.Trainer(
         accelerator="cpu",
-        strategy="torchpass_ddp",
+        strategy=TorchPassDDPStrategy(bucket_cap_mb=args.bucket_cap_mb) if args.bucket_cap_mb else "torchpass_ddp",
         devices=args.devices,
         num_nodes=args.num_nodes,
         max_steps=args.max_steps,

@@ -122,6 +122,10 @@ class Agent:
             coordinator_thread = threading.Thread(target=self.coordinator.run, args=(self._stop,), daemon=True)
             coordinator_thread.start()
         self._install_signals()
+        if "OMP_NUM_THREADS" not in os.environ and cfg.nproc_per_node > 1:
+            # As torchrun does: N processes each spawning a thread per core would oversubscribe the node.
+            os.environ["OMP_NUM_THREADS"] = "1"
+            print("torchpass: OMP_NUM_THREADS set to 1 for each worker (set it yourself to tune)", file=sys.stderr)
         self.events.emit("agent_started", node=cfg.node_rank, endpoint=self.endpoint, slots=cfg.nproc_per_node,
                          spares=cfg.spares, world_size=cfg.world_size)
         for slot in self.slots:
@@ -156,17 +160,22 @@ class Agent:
         self.events.emit("worker_started", worker=slot.worker_id, pid=slot.proc.pid, slot=slot.index)
 
     def _supervise(self) -> int:
+        """Every tick: reap exited workers (a syscall each). Every heartbeat interval: the store's verdict
+        and the heartbeats (store round trips), so that supervision costs the workers' cores little."""
         cfg = self.config
+        done, next_check = False, 0.0
         while True:
             if self._signal is not None:
                 self.events.emit("agent_signalled", signal=self._signal)
                 return 128 + self._signal
-            aborted = self.store.check([ABORT_KEY])
-            if aborted:
-                message = self.store.get(ABORT_KEY).decode()
-                print(f"torchpass: job aborted: {message}", file=sys.stderr, flush=True)
-                return 1
-            done = self.store.check([DONE_KEY])
+            check = time.monotonic() >= next_check
+            if check:
+                next_check = time.monotonic() + cfg.heartbeat_interval
+                if self.store.check([ABORT_KEY]):
+                    message = self.store.get(ABORT_KEY).decode()
+                    print(f"torchpass: job aborted: {message}", file=sys.stderr, flush=True)
+                    return 1
+                done = self.store.check([DONE_KEY])
             alive = 0
             for slot in self.slots:
                 if slot.proc is None:
@@ -174,10 +183,12 @@ class Agent:
                 code = slot.proc.poll()
                 if code is None:
                     alive += 1
-                    self._check_heartbeat(slot)
+                    if check:
+                        self._check_heartbeat(slot)
                     continue
                 self._report_exit(slot, code)
                 slot.proc = None
+                next_check = 0.0  # look at the verdict soon after an exit
                 if code not in (0, CONFIG_ERROR_EXIT) and cfg.refill and not done:
                     slot.incarnation += 1
                     self._spawn(slot)

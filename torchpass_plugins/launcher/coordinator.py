@@ -23,6 +23,7 @@ from torchpass_plugins.membership import (
     Roster,
     assign_key,
     roster_key,
+    watch_key,
 )
 
 DONE_KEY = "done"
@@ -46,6 +47,7 @@ class Coordinator:
     spares: deque = field(default_factory=deque)
     finished: set[int] = field(default_factory=set)
     outcome: str | None = None  # "done" or the abort message
+    ranks_before: list[str] | None = None  # the last published roster's workers
     _waiting: list[str] = field(default_factory=list)
 
     def run(self, stop: threading.Event, tick: float = 0.02) -> None:
@@ -123,8 +125,7 @@ class Coordinator:
         self._publish(Roster(self.gen + 1, tuple(self.ranks), reason=f"replace rank(s) {lost}"), assignments)
 
     def _publish(self, roster: Roster, assignments: dict[str, int]) -> None:
-        self.store.set(roster_key(roster.gen), roster.to_json())
-        self.gen = roster.gen
+        self._set_roster(roster)
         for worker_id, rank in assignments.items():
             self.store.set(assign_key(worker_id), json.dumps({"gen": roster.gen, "rank": rank}))
         self.events.emit(
@@ -136,6 +137,15 @@ class Coordinator:
             reason=roster.reason,
         )
 
+    def _set_roster(self, roster: Roster) -> None:
+        """Write the roster, then wake the roster watch of every worker of the previous one."""
+        previous = self.ranks_before or []
+        self.store.set(roster_key(roster.gen), roster.to_json())
+        for worker_id in set(previous) | set(roster.ranks):
+            self.store.set(watch_key(worker_id, roster.gen), b"1")
+        self.gen = roster.gen
+        self.ranks_before = list(roster.ranks)
+
     def _finish(self, outcome: str) -> None:
         self.outcome = outcome
         for spare in self.spares:
@@ -146,7 +156,7 @@ class Coordinator:
     def _abort(self, message: str) -> None:
         if self.outcome is not None:
             return
-        self.store.set(roster_key(self.gen + 1), Roster(self.gen + 1, tuple(self.ranks), abort=message).to_json())
+        self._set_roster(Roster(self.gen + 1, tuple(self.ranks), abort=message))
         self.store.set(ABORT_KEY, message)
         self.events.emit("job_aborted", message=message)
         self._finish(message)

@@ -1,11 +1,11 @@
 """``torchpass_ddp``: data-parallel training whose failed workers are replaced by spares, live.
 
-Unlike Lightning's ``DDPStrategy`` the module is not wrapped in ``DistributedDataParallel``: the
-gradient is averaged in one flat, out-of-place all-reduce right before the optimizer step, through the
-runtime, so that (a) a failed reduction leaves every local gradient intact for the retry, (b) the
-summation order never depends on bucket layouts that a fresh process would build differently, and (c)
-the step is committed only once every rank holds the reduced gradient. Every other collective Lightning
-makes (barrier, broadcast, ``sync_dist`` reductions, ``all_gather``) goes through the runtime too.
+Unlike Lightning's ``DDPStrategy`` the module is not wrapped in ``DistributedDataParallel``: gradients
+are averaged in fixed buckets (:class:`GradientBuckets`) issued while the last micro-batch's backward
+runs, through the runtime, so that (a) a failed reduction leaves every local gradient intact for the
+retry, (b) the summation order never depends on a layout that a fresh process would build differently,
+and (c) the step is committed only once every rank holds the reduced gradient. Every other collective
+Lightning makes (barrier, broadcast, ``sync_dist`` reductions, ``all_gather``) goes through the runtime.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from typing_extensions import override
 from torchpass_plugins import faults
 from torchpass_plugins.callback import TorchPassCallback
 from torchpass_plugins.environment import TorchPassEnvironment
+from torchpass_plugins.grad_buckets import GradientBuckets
 from torchpass_plugins.lightning_adapter import LightningAdapter
 from torchpass_plugins.membership import ConfigError
 from torchpass_plugins.transport import Transport
@@ -51,6 +52,7 @@ class TorchPassDDPStrategy(ParallelStrategy):
         checkpoint_io=None,
         precision_plugin=None,
         timeout: Union[timedelta, float] = timedelta(minutes=5),
+        bucket_cap_mb: float = 25.0,
     ) -> None:
         timeout = timeout if isinstance(timeout, timedelta) else timedelta(seconds=timeout)
         super().__init__(
@@ -61,6 +63,8 @@ class TorchPassDDPStrategy(ParallelStrategy):
             precision_plugin=precision_plugin,
         )
         self._num_nodes = 1
+        self._bucket_cap_mb = bucket_cap_mb
+        self._buckets: GradientBuckets | None = None
         self.runtime = self.cluster_environment.runtime
         self.adapter = LightningAdapter(self)
 
@@ -147,29 +151,23 @@ class TorchPassDDPStrategy(ParallelStrategy):
 
     # -- gradients ------------------------------------------------------------------------------------
     @override
+    def setup_optimizers(self, trainer) -> None:
+        super().setup_optimizers(trainer)
+        params = [p for opt in self.optimizers for group in opt.param_groups for p in group["params"]]
+        self._buckets = GradientBuckets(params, int(self._bucket_cap_mb * 2**20))
+
+    @override
     def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model=None, **kwargs: Any) -> Any:
         def closure_then_reduce() -> Any:
+            self._buckets.overlap_with(self.runtime.transport)
             result = closure()
-            self._average_gradients(optimizer)
+            self.runtime.reduce_gradients(self._buckets)
+            self._buckets.write_back(self.world_size)
             return result
 
         result = super().optimizer_step(optimizer, closure_then_reduce, model, **kwargs)
         faults.point("optimizer")
         return result
-
-    def _average_gradients(self, optimizer: Optimizer) -> None:
-        params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
-        dtypes = {p.dtype for p in params}
-        if len(dtypes) != 1:
-            found = sorted(map(str, dtypes))
-            raise ConfigError(f"torchpass_ddp averages gradients of one dtype; this model has {found}")
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-        reduced = self.runtime.reduce_gradients(torch.cat([g.reshape(-1) for g in grads]))
-        offset = 0
-        for p, g in zip(params, grads, strict=True):
-            n = g.numel()
-            p.grad = reduced[offset : offset + n].view_as(p)
-            offset += n
 
     # -- collectives ----------------------------------------------------------------------------------
     @override

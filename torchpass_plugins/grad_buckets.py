@@ -1,0 +1,93 @@
+"""Gradient buckets all-reduced while backward still runs, in a layout that never changes.
+
+Buckets are fixed at setup (parameters in reverse order, split at ``cap_bytes`` and at dtype changes),
+so a spare builds exactly the same layout as its predecessor: each element is summed in the same order,
+which is what makes recovery bit-exact. During the backward of the step's last micro-batch, a bucket is
+issued as soon as its gradients are ready *and* every lower bucket was issued, so every rank issues the
+same sequence. The local gradients are copied into the buckets, never reduced in place, so a failed
+reduction can be retried from them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from torchpass_plugins.transport import PeerFailure, Transport
+
+
+class GradientBuckets:
+    def __init__(self, params: Iterable[nn.Parameter], cap_bytes: int = 25 * 2**20) -> None:
+        self.params = [p for p in params if p.requires_grad]
+        self.buckets: list[list[nn.Parameter]] = []
+        for p in reversed(self.params):
+            last = self.buckets[-1] if self.buckets else None
+            size = sum(q.numel() * q.element_size() for q in last) if last else 0
+            if last and last[0].dtype == p.dtype and size + p.numel() * p.element_size() <= cap_bytes:
+                last.append(p)
+            else:
+                self.buckets.append([p])
+        self._bucket_of = {id(p): i for i, bucket in enumerate(self.buckets) for p in bucket}
+        self._overlapping: Transport | None = None
+        self._ready = [0] * len(self.buckets)
+        self._restart()
+        for p in self.params:
+            p.register_post_accumulate_grad_hook(self._on_grad)
+
+    def overlap_with(self, transport: Transport) -> None:
+        """Issue buckets during the coming backward, on ``transport``'s group at that time."""
+        self._overlapping = transport
+        self._ready = [0] * len(self.buckets)
+        self._restart()
+
+    def _restart(self) -> None:
+        self._buffers: list[torch.Tensor] = []
+        self._works: list[tuple[int, dist.Work | None]] = []  # (generation, work) per issued bucket
+
+    def _on_grad(self, p: nn.Parameter) -> None:
+        if self._overlapping is None:
+            return
+        self._ready[self._bucket_of[id(p)]] += 1
+        n = len(self._works)
+        while n < len(self.buckets) and self._ready[n] == len(self.buckets[n]):
+            self._issue(n, self._overlapping)
+            n += 1
+
+    def _issue(self, b: int, transport: Transport) -> None:
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.buckets[b]]
+        self._buffers.append(torch.cat([g.reshape(-1) for g in grads]))
+        work = None
+        if transport.pg is not None and not transport.stale():
+            try:
+                work = transport.pg.allreduce([self._buffers[b]])
+            except RuntimeError:
+                pass  # a broken group: reported when the bucket is waited for
+        self._works.append((transport.gen, work))
+
+    def complete(self, transport: Transport, issued: Callable[[], None] = lambda: None) -> None:
+        """Issue what backward did not (all of it after a recovery), then wait for every bucket.
+
+        Raises ``PeerFailure``; the local gradients are untouched until :meth:`write_back`.
+        """
+        self._overlapping = None
+        if any(gen != transport.gen for gen, _ in self._works):
+            self._restart()
+        while len(self._works) < len(self.buckets):
+            self._issue(len(self._works), transport)
+        issued()
+        for b, (_, work) in enumerate(self._works):
+            if work is None:
+                raise PeerFailure(f"all_reduce of gradient bucket {b} could not be issued")
+            transport.wait(work, f"all_reduce of gradient bucket {b}")
+
+    def write_back(self, world_size: int) -> None:
+        """Replace each gradient with its average over the ranks."""
+        for bucket, buf in zip(self.buckets, self._buffers, strict=True):
+            buf.div_(world_size)
+            offset = 0
+            for p in bucket:
+                p.grad = buf[offset : offset + p.numel()].view_as(p)
+                offset += p.numel()
