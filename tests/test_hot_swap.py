@@ -59,6 +59,13 @@ def test_kill_during_a_bucketed_reduction(tmp_path, reference):
     assert_bit_exact(job, codes, reference(3, bucketed))
 
 
+def test_failure_right_after_a_validation_run(tmp_path, reference):
+    # Validation every 6 batches (sync_dist logging inside); step 3 starts right after the first one.
+    val = ("--val-every", "6")
+    job, codes = run(tmp_path, train_args=(*TRAIN, *val), faults="kill@rank=2,step=3,phase=boundary")
+    assert_bit_exact(job, codes, reference(3, val))
+
+
 def test_hang_is_detected_by_the_heartbeat(tmp_path, reference):
     job, codes = run(tmp_path, train_args=TRAIN, faults="stop@rank=1,step=5,phase=boundary",
                      launch_args=("--heartbeat-timeout", "3"))

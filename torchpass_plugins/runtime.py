@@ -67,12 +67,12 @@ class _Agreement:
 class Runtime:
     """One rank's side of the protocol: positions, collectives with recovery, commits, state hand-over."""
 
-    def __init__(self, env: WorkerEnv, timeout: timedelta, events: EventLog | None = None) -> None:
+    def __init__(self, env: WorkerEnv, timeout: timedelta) -> None:
         self.env = env
         self.member = Member(env)
         atexit.register(self.close)
         self.transport = Transport(self.member, timeout)
-        self.events = events or EventLog(None)
+        self.events = EventLog(None)  # TorchPassCallback attaches the run's log
         self.adapter: Adapter | None = None
         self.is_spare = False
         self.step, self.count = _BEFORE_LOOP
@@ -80,7 +80,6 @@ class Runtime:
         self.target: tuple[int, int] | None = None
         self._pending: tuple[int, list[int]] | None = None
         self._snapshot: Any = None
-        self.recoveries = 0
 
     @property
     def seed(self) -> int:
@@ -249,7 +248,6 @@ class Runtime:
                 cause = str(exc)
                 continue
             self.target = agreement.target
-            self.recoveries += 1
             self.events.emit(
                 "recovered",
                 rank=self.rank,

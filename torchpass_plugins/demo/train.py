@@ -47,6 +47,10 @@ class Classifier(L.LightningModule):
         self.log("train_loss", loss, sync_dist=True, prog_bar=True)
         return loss
 
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val_loss", nn.functional.cross_entropy(self.net(x), y), sync_dist=True)
+
     def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
         if self.sleep_per_step:
             time.sleep(self.sleep_per_step)  # stands in for a bigger model, so failures land mid-run
@@ -73,6 +77,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--progress", action="store_true")
     p.add_argument("--sleep-per-step", type=float, default=0.0)
+    p.add_argument("--val-every", type=int, default=0, help="validate every N training batches (0: never)")
     p.add_argument("--bucket-cap-mb", type=float, default=None, help="gradient bucket size (several buckets)")
     args = p.parse_args(argv)
 
@@ -83,6 +88,7 @@ def main(argv: list[str] | None = None) -> None:
         args.out.mkdir(parents=True, exist_ok=True)
         model.out_dir = args.out
     loader = DataLoader(make_dataset(), batch_size=args.batch_size, shuffle=True)
+    val = DataLoader(make_dataset(96), batch_size=args.batch_size) if args.val_every else None
     trainer = L.Trainer(
         accelerator="cpu",
         strategy=TorchPassDDPStrategy(bucket_cap_mb=args.bucket_cap_mb) if args.bucket_cap_mb else "torchpass_ddp",
@@ -95,8 +101,11 @@ def main(argv: list[str] | None = None) -> None:
         logger=False,
         enable_progress_bar=args.progress,
         enable_model_summary=False,
+        val_check_interval=args.val_every or None,
+        limit_val_batches=None if args.val_every else 0,
+        num_sanity_val_steps=0,
     )
-    trainer.fit(model, loader)
+    trainer.fit(model, loader, val)
     if args.out is not None and trainer.global_rank == 0:
         state = {k: v.detach().clone() for k, v in model.state_dict().items()}
         opt_state = trainer.optimizers[0].state_dict()["state"]
