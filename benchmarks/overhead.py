@@ -121,8 +121,8 @@ def render(size: Size, results: list[Result], failures: list[str], smoke: bool, 
         "accumulation, AdamW, gloo, one intra-op thread per worker, no logging or checkpointing.",
         f"- Step time: median of rank 0's step-to-step `perf_counter` deltas over steps {size.warmup}.."
         f"{size.steps - 1} (the first {size.warmup} steps are warmup); runs alternate torchpass / plain.",
-        "- What differs: `torchpass_ddp` reduces the gradient in one flat all-reduce after backward and commits "
-        "the step through the store; `ddp` overlaps bucketed all-reduces with backward.",
+        "- What differs: both overlap bucketed gradient all-reduces with backward; `torchpass_ddp` keeps its "
+        "buckets fixed, reduces out of place and commits each step through the store (two round trips).",
         "",
         "| Strategy | Launch | Runs | Median step (ms) | Min-max of run medians (ms) | p10-p90 within runs (ms) |",
         "|---|---|---|---|---|---|",
