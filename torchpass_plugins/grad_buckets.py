@@ -20,7 +20,7 @@ from torchpass_plugins.transport import PeerFailure, Transport
 
 
 class GradientBuckets:
-    def __init__(self, params: Iterable[nn.Parameter], cap_bytes: int = 25 * 2**20) -> None:
+    def __init__(self, params: Iterable[nn.Parameter], cap_bytes: int = 4 * 2**20) -> None:
         self.params = [p for p in params if p.requires_grad]
         self.buckets: list[list[nn.Parameter]] = []
         for p in reversed(self.params):

@@ -52,7 +52,7 @@ class TorchPassDDPStrategy(ParallelStrategy):
         checkpoint_io=None,
         precision_plugin=None,
         timeout: Union[timedelta, float] = timedelta(minutes=5),
-        bucket_cap_mb: float = 25.0,
+        bucket_cap_mb: float = 4.0,
     ) -> None:
         timeout = timeout if isinstance(timeout, timedelta) else timedelta(seconds=timeout)
         super().__init__(
