@@ -24,7 +24,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -294,9 +294,14 @@ def update_section(doc: Path, name: str, body: str) -> None:
     tmp.replace(doc)
 
 
-def bench_args(description: str, argv: list[str] | None) -> argparse.Namespace:
-    """The flags every benchmark takes: ``--smoke``, ``--reps`` (>= 3 in full mode), ``--doc``."""
+def bench_args(
+    description: str, argv: list[str] | None, extra: Callable[[argparse.ArgumentParser], object] | None = None
+) -> argparse.Namespace:
+    """The flags every benchmark takes: ``--smoke``, ``--reps`` (>= 3 in full mode), ``--doc``; ``extra``
+    adds a script's own."""
     p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    if extra is not None:
+        extra(p)
     p.add_argument("--smoke", action="store_true", help="tiny sizes, one repetition; asserts only that rows came out")
     p.add_argument("--reps", type=int, default=None, help="repetitions per contender (default: 3, smoke: 1)")
     p.add_argument("--doc", type=Path, default=None,

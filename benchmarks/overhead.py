@@ -13,7 +13,7 @@ from __future__ import annotations
 import itertools
 import statistics
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from _harness import (
@@ -35,9 +35,6 @@ from _harness import (
 )
 
 TORCHPASS, PLAIN = "torchpass_ddp", "ddp"
-DEVICES = 3
-
-
 @dataclass(frozen=True)
 class Size:
     """Model and schedule of one benchmark mode."""
@@ -51,6 +48,7 @@ class Size:
     warmup: int
     reps: int
     timeout_s: float
+    ranks: int = 3
 
     @property
     def params(self) -> int:
@@ -77,7 +75,7 @@ class Result:
 
 
 def script_args(size: Size, strategy: str, out: Path) -> list[str]:
-    return ["--strategy", strategy, "--devices", str(DEVICES), "--max-steps", str(size.steps), "--accumulate", "1",
+    return ["--strategy", strategy, "--devices", str(size.ranks), "--max-steps", str(size.steps), "--accumulate", "1",
             "--batch-size", str(size.batch_size), "--features", str(size.features), "--hidden", str(size.hidden),
             "--depth", str(size.depth), "--classes", str(size.classes), "--out", str(out)]
 
@@ -86,9 +84,9 @@ def run_once(size: Size, strategy: str, work: Path, rep: int) -> Result:
     out = work / "out"
     args = script_args(size, strategy, out)
     if strategy == TORCHPASS:
-        cmd = torchpass_cmd(DEVICES, 0, work / "run", args)
+        cmd = torchpass_cmd(size.ranks, 0, work / "run", args)
     else:
-        cmd = torchrun_cmd(DEVICES, args)
+        cmd = torchrun_cmd(size.ranks, args)
     code = run_bounded(cmd, worker_env(), size.timeout_s, work / "launcher.log")
     if code != 0:
         raise RunFailed(f"{strategy}: launcher exited {code}\n{tail(work / 'launcher.log')}")
@@ -116,7 +114,7 @@ def render(size: Size, results: list[Result], failures: list[str], smoke: bool, 
                   "are not a measurement.", ""]
     lines += machine_lines(info, command_line())
     lines += [
-        f"- Setup: {DEVICES} ranks, no spares, no failure; MLP {size.features} -> {size.hidden}x{size.depth} -> "
+        f"- Setup: {size.ranks} ranks, no spares, no failure; MLP {size.features} -> {size.hidden}x{size.depth} -> "
         f"{size.classes} ({size.params:,} parameters), batch {size.batch_size} per rank, no gradient "
         "accumulation, AdamW, gloo, one intra-op thread per worker, no logging or checkpointing.",
         f"- Step time: median of rank 0's step-to-step `perf_counter` deltas over steps {size.warmup}.."
@@ -142,12 +140,14 @@ def render(size: Size, results: list[Result], failures: list[str], smoke: bool, 
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = bench_args(__doc__, argv)
+    args = bench_args(__doc__, argv, lambda p: p.add_argument(
+        "--ranks", type=int, default=3, help="ranks per run (3 on 2 cores oversubscribes; 2 does not)"))
     install_cleanup()
-    size = SMOKE if args.smoke else FULL
+    size = replace(SMOKE if args.smoke else FULL, ranks=args.ranks)
+    section = "overhead" if args.ranks == 3 else f"overhead-{args.ranks}ranks"
     reps = args.reps or size.reps
     info = machine()
-    work_root = fresh_work_root("overhead", args.smoke)
+    work_root = fresh_work_root(section, args.smoke)
     results: list[Result] = []
     failures: list[str] = []
     for rep in range(reps):
@@ -166,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"(p10 {r.p10_ms:.2f}, p90 {r.p90_ms:.2f})", flush=True)
     body = render(size, results, failures, args.smoke, info)
     raw = {"machine": info, "size": asdict(size), "results": [asdict(r) for r in results], "failures": failures}
-    publish("overhead", args.doc, body, work_root, raw)
+    publish(section, args.doc, body, work_root, raw)
     if {r.strategy for r in results} != {TORCHPASS, PLAIN}:
         print("[overhead] missing results for one strategy", file=sys.stderr)
         return 1

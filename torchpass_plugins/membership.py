@@ -187,6 +187,7 @@ class Member:
         _die_with_agent()
         self.store.set(f"join/{self.env.worker_id}", self.env.token)
         self.store.queue_push(JOIN_QUEUE, self.env.worker_id)
+        self.store.add(heartbeat_key(self.env.worker_id), 1)  # from now on the agent's hang check applies
         self._start(self._beat, "torchpass-heartbeat")
 
     def wait_assignment(self) -> dict:
