@@ -25,6 +25,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +55,30 @@ def _children_map() -> dict[int, list[int]]:
         ppid = int(stat.rsplit(")", 1)[1].split()[1])
         children.setdefault(ppid, []).append(int(entry))
     return children
+
+
+@dataclass(frozen=True)
+class MLPSize:
+    """The benchmark MLP (``bench_train.py``) and the run bounds every benchmark mode shares."""
+
+    features: int
+    hidden: int
+    depth: int
+    classes: int
+    batch_size: int
+    reps: int
+    timeout_s: float
+
+    @property
+    def params(self) -> int:
+        first = self.features * self.hidden + self.hidden
+        middle = (self.depth - 1) * (self.hidden * self.hidden + self.hidden)
+        return first + middle + self.hidden * self.classes + self.classes
+
+    def model_args(self) -> list[str]:
+        """``bench_train.py`` flags for this model and batch."""
+        return ["--batch-size", str(self.batch_size), "--features", str(self.features), "--hidden", str(self.hidden),
+                "--depth", str(self.depth), "--classes", str(self.classes)]
 
 
 def descendants(root: int | None = None) -> list[int]:

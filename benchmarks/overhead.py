@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from _harness import (
+    MLPSize,
     RunFailed,
     bench_args,
     command_line,
@@ -35,26 +36,15 @@ from _harness import (
 )
 
 TORCHPASS, PLAIN = "torchpass_ddp", "ddp"
+
+
 @dataclass(frozen=True)
-class Size:
+class Size(MLPSize):
     """Model and schedule of one benchmark mode."""
 
-    features: int
-    hidden: int
-    depth: int
-    classes: int
-    batch_size: int
     steps: int
     warmup: int
-    reps: int
-    timeout_s: float
     ranks: int = 3
-
-    @property
-    def params(self) -> int:
-        first = self.features * self.hidden + self.hidden
-        middle = (self.depth - 1) * (self.hidden * self.hidden + self.hidden)
-        return first + middle + self.hidden * self.classes + self.classes
 
 
 FULL = Size(features=1024, hidden=1024, depth=4, classes=10, batch_size=64, steps=70, warmup=10, reps=3,
@@ -76,8 +66,7 @@ class Result:
 
 def script_args(size: Size, strategy: str, out: Path) -> list[str]:
     return ["--strategy", strategy, "--devices", str(size.ranks), "--max-steps", str(size.steps), "--accumulate", "1",
-            "--batch-size", str(size.batch_size), "--features", str(size.features), "--hidden", str(size.hidden),
-            "--depth", str(size.depth), "--classes", str(size.classes), "--out", str(out)]
+            *size.model_args(), "--out", str(out)]
 
 
 def run_once(size: Size, strategy: str, work: Path, rep: int) -> Result:

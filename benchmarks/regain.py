@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from _harness import (
+    MLPSize,
     RunFailed,
     bench_args,
     command_line,
@@ -39,26 +40,13 @@ TORCHPASS, CKPT = "torchpass", "ckpt-restart"
 
 
 @dataclass(frozen=True)
-class Size:
-    """Model and schedule of one benchmark mode."""
+class Size(MLPSize):
+    """Model, schedule and failure of one benchmark mode."""
 
-    features: int
-    hidden: int
-    depth: int
-    classes: int
-    batch_size: int
     accumulate: int
     ckpt_every: int
     kill_step: int
     max_steps: int
-    reps: int
-    timeout_s: float
-
-    @property
-    def params(self) -> int:
-        first = self.features * self.hidden + self.hidden
-        middle = (self.depth - 1) * (self.hidden * self.hidden + self.hidden)
-        return first + middle + self.hidden * self.classes + self.classes
 
 
 FULL = Size(features=512, hidden=1024, depth=3, classes=10, batch_size=32, accumulate=2, ckpt_every=10,
@@ -86,9 +74,7 @@ class Result:
 
 def script_args(size: Size, out: Path, strategy: str, ckpt: bool) -> list[str]:
     args = ["--strategy", strategy, "--devices", str(DEVICES), "--max-steps", str(size.max_steps),
-            "--accumulate", str(size.accumulate), "--batch-size", str(size.batch_size),
-            "--features", str(size.features), "--hidden", str(size.hidden), "--depth", str(size.depth),
-            "--classes", str(size.classes), "--out", str(out), "--kill-rank", str(KILL_RANK),
+            "--accumulate", str(size.accumulate), *size.model_args(), "--out", str(out), "--kill-rank", str(KILL_RANK),
             "--kill-step", str(size.kill_step)]
     return [*args, "--ckpt-every", str(size.ckpt_every)] if ckpt else args
 
