@@ -7,11 +7,12 @@ from lightning.pytorch.strategies import StrategyRegistry
 
 from torchpass_plugins.callback import TorchPassCallback
 from torchpass_plugins.environment import TorchPassEnvironment
-from torchpass_plugins.strategies import TorchPassDDPStrategy
+from torchpass_plugins.strategies import TorchPassDDPStrategy, TorchPassFSDPStrategy
 
 __version__ = "0.1.0"
 
-if TorchPassDDPStrategy.strategy_name not in StrategyRegistry:
-    TorchPassDDPStrategy.register_strategies(StrategyRegistry)
+for _strategy in (TorchPassDDPStrategy, TorchPassFSDPStrategy):
+    if _strategy.strategy_name not in StrategyRegistry:
+        _strategy.register_strategies(StrategyRegistry)
 
-__all__ = ["TorchPassCallback", "TorchPassDDPStrategy", "TorchPassEnvironment", "__version__"]
+__all__ = ["TorchPassCallback", "TorchPassDDPStrategy", "TorchPassEnvironment", "TorchPassFSDPStrategy", "__version__"]

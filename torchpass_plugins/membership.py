@@ -51,12 +51,7 @@ def watch_key(worker_id: str, gen: int) -> str:
     return f"watch/{worker_id}/{gen}"
 
 
-def commit_key(step: int, gen: int) -> str:
-    return f"commit/{step}/{gen}"
-
-
 LEAVING = 1 << 40  # added to a heartbeat counter by a worker on its way out: no hang check from then on
-WAKE = b"wake"  # written by the roster watch into a key the main thread waits on, to end the wait
 EXIT_QUEUE = "exits"
 JOIN_QUEUE = "joins"
 ABORT_KEY = "abort"
@@ -171,7 +166,6 @@ class Member:
     gen: int = field(init=False, default=-1)
     latest_gen: int = field(init=False, default=-1)
     changed: threading.Event = field(init=False, default_factory=threading.Event)
-    wake_key: str | None = field(init=False, default=None)  # a store key the main thread is waiting on
     _stop: threading.Event = field(init=False, default_factory=threading.Event)
     _threads: list[threading.Thread] = field(init=False, default_factory=list)
 
@@ -219,9 +213,6 @@ class Member:
                 return
             self.latest_gen += 1
             self.changed.set()
-            key = self.wake_key
-            if key is not None:
-                store.set(key, WAKE)
 
     def _beat(self) -> None:
         store = self._thread_store()

@@ -20,18 +20,16 @@ from datetime import timedelta
 from typing import Any, Protocol, TypeVar
 
 import torch
-import torch.distributed as dist
 
 from torchpass_plugins import faults, rng
 from torchpass_plugins.events import EventLog
 from torchpass_plugins.grad_buckets import GradientBuckets
-from torchpass_plugins.membership import WAKE, JobAborted, Member, WorkerEnv, commit_key
+from torchpass_plugins.membership import JobAborted, Member, WorkerEnv
 from torchpass_plugins.state_transfer import recv_state, send_state
 from torchpass_plugins.transport import PeerFailure, Transport
 
 T = TypeVar("T")
 _BEFORE_LOOP = (-1, -1)
-_COMMIT_WAIT = timedelta(seconds=30)  # a backstop only: a newer roster ends the wait at once
 
 
 class SpareReleased(SystemExit):
@@ -54,14 +52,65 @@ class Adapter(Protocol):
         """Spare side: adopt ``state`` received from the donor."""
 
 
-@dataclass
-class _Agreement:
-    committed: bool
+@dataclass(frozen=True)
+class MemberState:
+    """What one member reports when a new group is built: one row of the agreement."""
+
+    spare: bool
+    position: tuple[int, int]
+    applied: int  # optimizer steps applied (-1 for a spare)
+    last_boundary: int
+    reduced: bool  # holds the reduced gradient of its pending step (reduction finished, step not applied)
+    voted: bool  # finished the commit vote of its pending step: it applies that step whatever happens
+
+    def to_tensor(self) -> torch.Tensor:
+        row = [int(self.spare), *self.position, self.applied, self.last_boundary, int(self.reduced), int(self.voted)]
+        return torch.tensor(row, dtype=torch.int64)
+
+    @classmethod
+    def from_tensor(cls, t: torch.Tensor) -> MemberState:
+        spare, step, count, applied, last_boundary, reduced, voted = t.tolist()
+        return cls(bool(spare), (step, count), applied, last_boundary, bool(reduced), bool(voted))
+
+
+@dataclass(frozen=True)
+class Agreement:
+    """The decision every member derives from the same rows."""
+
+    committed: frozenset[int]  # ranks whose pending step is committed: they apply it, then go on
     entry_step: int
     target: tuple[int, int]
     donor: int
     immediate: bool
     spares: list[int]
+
+    @classmethod
+    def decide(cls, rows: list[MemberState]) -> Agreement:
+        """Commit rule: the pending step of the survivors that are behind (fewest applied steps) is
+        committed iff some survivor finished its commit vote (it applies the step, or already did).
+
+        A rank enters the vote only after its reduction finished, so a finished vote means every rank
+        holds the reduced gradient and all behind can apply it. If no survivor finished the vote, no
+        survivor applies the step: all retry it (a dead rank that applied it took that state with it).
+        Survivors are never two steps apart: applying a step needs every rank's reduction of it.
+        """
+        survivors = {r: row for r, row in enumerate(rows) if not row.spare}
+        if not survivors:
+            raise JobAborted("torchpass: every rank lost its state at once; resume from a snapshot")
+        behind = min(row.applied for row in survivors.values())
+        pending = [r for r, row in survivors.items() if row.applied == behind]
+        committed = frozenset()
+        if any(row.voted or row.applied > behind for row in survivors.values()):
+            committed = frozenset(r for r in pending if not survivors[r].voted)
+            if not all(survivors[r].reduced for r in committed):
+                raise AssertionError(f"torchpass: a step was voted on before every rank reduced it: {rows}")
+        applied = {r: row.applied + (r in committed or row.voted) for r, row in survivors.items()}
+        entry = max(applied.values())
+        target = max([(row.position[0], row.position[1] + (r in committed)) for r, row in survivors.items()])
+        target = max(target, (entry, 0))
+        ready = [r for r, row in survivors.items() if row.applied == entry and row.last_boundary == entry]
+        donor = ready[0] if ready else min(survivors)
+        return cls(committed, entry, target, donor, bool(ready), [r for r, row in enumerate(rows) if row.spare])
 
 
 class Runtime:
@@ -77,6 +126,7 @@ class Runtime:
         self.is_spare = False
         self.step, self.count = _BEFORE_LOOP
         self.last_boundary = -1
+        self._voted = -1  # applied steps when this rank last finished a commit vote
         self.target: tuple[int, int] | None = None
         self._pending: tuple[int, list[int]] | None = None
         self._snapshot: Any = None
@@ -117,7 +167,7 @@ class Runtime:
     def enter_as_spare(self) -> None:
         """Spare side of a recovery: join the group and receive the state (called once ``adapter`` is set)."""
         self.events.emit("spare_promoted", rank=self.rank, gen=self.member.latest_gen)
-        self._recover(_BEFORE_LOOP, reduced_gen=None)
+        self._recover(_BEFORE_LOOP, reduced=False)
 
     # -- collectives --------------------------------------------------------------------------------------
     def collective(self, fn: Callable[[Transport], T], skipped: T) -> T:
@@ -132,57 +182,34 @@ class Runtime:
                     raise PeerFailure("newer roster")
                 return fn(self.transport)
             except PeerFailure as exc:
-                self._recover(pos, reduced_gen=None, cause=str(exc))
+                self._recover(pos, reduced=False, cause=str(exc))
 
     def reduce_gradients(self, buckets: GradientBuckets) -> None:
-        """All-reduce the gradient buckets and commit the step; then the buckets hold the sum.
+        """All-reduce the gradient buckets, then vote to commit the step; then the buckets hold the sum.
 
-        The step is committed once every rank confirmed its reduction in the store; until then a failure
-        makes everyone retry the reduction from the intact local gradients (the spare recomputes its
-        predecessor's).
+        The vote is a one-element all-reduce that each rank enters only after its own reduction completed,
+        so a rank that finishes the vote knows that every rank holds the reduced gradient. Until then a
+        failure makes everyone retry the reduction from the intact local gradients (the spare recomputes
+        its predecessor's), unless the agreement finds the step committed.
         """
         pos = (self.step, self.count)
         self.count += 1
         if self._behind(pos):
             raise AssertionError(f"torchpass: gradient reduction at {pos} behind target {self.target}")
         while True:
-            reduced_gen = None
+            reduced = False
             try:
                 if self.transport.stale() or self.transport.pg is None:
                     raise PeerFailure("newer roster")
                 buckets.complete(self.transport, issued=lambda: faults.point("reduce"))
-                reduced_gen = self.transport.gen
+                reduced = True
                 faults.point("commit")
-                self._commit(self.adapter.applied_steps(), reduced_gen)
+                self.transport.all_reduce(torch.ones(1), what="commit vote")
+                self._voted = self.adapter.applied_steps()
                 return
             except PeerFailure as exc:
-                if self._recover(pos, reduced_gen=reduced_gen, cause=str(exc)):
+                if self._recover(pos, reduced=reduced, cause=str(exc)):
                     return
-
-    def _commit(self, step: int, gen: int) -> None:
-        """Count this rank's reduction; return once all W ranks counted (the step is then committed).
-
-        Waiting is a blocking ``Store.wait`` on the key the last rank sets; the roster watch writes
-        ``WAKE`` into it when a newer roster appears, and the counter decides what the wake-up means.
-        """
-        store, key = self.member.store, commit_key(step, gen)
-        if store.add(key, 1) >= self.world_size:
-            store.set(key + "/ok", b"1")
-            return
-        self.member.wake_key = key + "/ok"
-        try:
-            while True:
-                if self.transport.stale():
-                    raise PeerFailure(f"commit of step {step}: newer roster")
-                try:
-                    store.wait([key + "/ok"], _COMMIT_WAIT)
-                except dist.DistStoreError:
-                    continue
-                if store.get(key + "/ok") != WAKE or store.add(key, 0) >= self.world_size:
-                    return
-                raise PeerFailure(f"commit of step {step}: newer roster")
-        finally:
-            self.member.wake_key = None
 
     def _behind(self, pos: tuple[int, int]) -> bool:
         if self.target is None:
@@ -196,6 +223,7 @@ class Runtime:
     def boundary(self, step: int) -> None:
         """Start of optimizer step ``step``: reseed, record the snapshot, hand over a deferred state."""
         self.step, self.count, self.last_boundary = step, 0, step
+        self._voted = -1
         rng.reseed(self.seed, self.rank, step)
         faults.at(self.rank, step)
         faults.point("boundary")
@@ -205,7 +233,7 @@ class Runtime:
             try:
                 self._send_to(self.transport, spares, self.adapter.boundary_state(None))
             except PeerFailure as exc:
-                self._recover((step, 0), reduced_gen=None, cause=str(exc))
+                self._recover((step, 0), reduced=False, cause=str(exc))
 
     def _send_to(self, transport: Transport, spares: list[int], state: Any) -> None:
         for dst in spares:
@@ -214,22 +242,17 @@ class Runtime:
             self.events.emit("state_sent", rank=self.rank, to=dst, bytes=nbytes, seconds=time.perf_counter() - t0)
 
     # -- recovery ----------------------------------------------------------------------------------------
-    def _recover(self, pos: tuple[int, int], reduced_gen: int | None, cause: str = "") -> bool:
-        """Rebuild the group of the newest roster and agree how to go on; returns whether the step of a
-        completed reduction is committed."""
+    def _recover(self, pos: tuple[int, int], reduced: bool, cause: str = "") -> bool:
+        """Rebuild the group of the newest roster and agree how to go on; returns whether this rank's
+        completed (``reduced``) gradient reduction is committed."""
         t0 = time.perf_counter()
         while True:
-            self.member.wait_newer_than(self.transport.gen if self.transport.pg is not None else -1)
-            gen = self.member.latest_gen
-            roster = self.member.roster(gen)
-            if roster.abort:
-                self.events.emit("job_aborted", rank=self.rank, message=roster.abort)
-                raise JobAborted(roster.abort)
+            gen = self.next_roster()
             try:
                 t_connect = time.perf_counter()
                 self.transport.connect(gen, self.rank)
                 connect_s = time.perf_counter() - t_connect
-                agreement = self._agree(pos, reduced_gen)
+                agreement = self._agree(pos, reduced)
                 self.events.emit(
                     "transport_rebuilt",
                     rank=self.rank,
@@ -237,7 +260,7 @@ class Runtime:
                     seconds=connect_s,
                     cause=cause,
                     position=list(pos),
-                    committed=agreement.committed,
+                    committed=self.rank in agreement.committed,
                     target=list(agreement.target),
                     entry_step=agreement.entry_step,
                     spares=agreement.spares,
@@ -255,31 +278,25 @@ class Runtime:
                 seconds=time.perf_counter() - t0,
                 retries_collective=pos >= agreement.target,
             )
-            return agreement.committed
+            return self.rank in agreement.committed
 
-    def _agree(self, pos: tuple[int, int], reduced_gen: int | None) -> _Agreement:
-        committed = False
-        if reduced_gen is not None:
-            count = int(self.member.store.add(commit_key(self.adapter.applied_steps(), reduced_gen), 0))
-            committed = count >= self.world_size
-        applied = self.adapter.applied_steps() if not self.is_spare else -1
-        effective = (pos[0], pos[1] + 1) if committed else pos
-        mine = torch.tensor(
-            [int(self.is_spare), *effective, applied + int(committed), self.last_boundary, int(committed)],
-            dtype=torch.int64,
-        )
-        rows = [r.tolist() for r in self.transport.all_gather(mine)]
-        survivors = [(r, row) for r, row in enumerate(rows) if not row[0]]
-        if not survivors:
-            raise JobAborted("torchpass: every rank lost its state at once; resume from a snapshot")
-        spares = [r for r, row in enumerate(rows) if row[0]]
-        entry = max(row[3] for _, row in survivors)
-        target = max([(row[1], row[2]) for _, row in survivors] + [(entry, 0)])
-        ready = [r for r, row in survivors if row[3] == entry and row[4] == entry and not row[5]]
-        donor = ready[0] if ready else survivors[0][0]
-        return _Agreement(any(row[5] for _, row in survivors), entry, target, donor, bool(ready), spares)
+    def next_roster(self) -> int:
+        """Wait for a roster newer than the current group's; returns its generation (raises if it aborts)."""
+        self.member.wait_newer_than(self.transport.gen if self.transport.pg is not None else -1)
+        gen = self.member.latest_gen
+        roster = self.member.roster(gen)
+        if roster.abort:
+            self.events.emit("job_aborted", rank=self.rank, message=roster.abort)
+            raise JobAborted(roster.abort)
+        return gen
 
-    def _hand_over(self, a: _Agreement) -> None:
+    def _agree(self, pos: tuple[int, int], reduced: bool) -> Agreement:
+        applied = -1 if self.is_spare else self.adapter.applied_steps()
+        voted = applied >= 0 and self._voted == applied
+        mine = MemberState(self.is_spare, pos, applied, self.last_boundary, reduced or voted, voted)
+        return Agreement.decide([MemberState.from_tensor(t) for t in self.transport.all_gather(mine.to_tensor())])
+
+    def _hand_over(self, a: Agreement) -> None:
         self._pending = None
         if not a.spares:
             return

@@ -67,7 +67,11 @@ def unpack(meta: torch.Tensor, payload: torch.Tensor) -> Any:
 
 def send_state(transport: Transport, state: Any, dst: int) -> int:
     """Send ``state`` to rank ``dst``; returns the bytes moved."""
-    meta, payload = pack(state)
+    return send_packed(transport, *pack(state), dst)
+
+
+def send_packed(transport: Transport, meta: torch.Tensor, payload: torch.Tensor, dst: int) -> int:
+    """Send what :func:`pack` made (received by :func:`recv_state`); returns the bytes moved."""
     transport.send(torch.tensor([meta.numel(), payload.numel()], dtype=torch.int64), dst)
     transport.send(meta, dst)
     if payload.numel():

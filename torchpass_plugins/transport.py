@@ -12,7 +12,6 @@ from __future__ import annotations
 import ctypes
 import threading
 import time
-from collections.abc import Callable
 from concurrent.futures import Future
 from datetime import timedelta
 
@@ -31,8 +30,9 @@ class PeerFailure(RuntimeError):
 class Transport:
     """Gloo process group of the member's current generation (rank = logical rank)."""
 
-    def __init__(self, member: Member, timeout: timedelta) -> None:
+    def __init__(self, member: Member, timeout: timedelta, name: str = "pg") -> None:
         self.member = member
+        self.name = name  # store prefix: groups of the same generation with other names are independent
         self.timeout = timeout
         self.pg: dist.ProcessGroup | None = None
         self.gen = -1
@@ -45,7 +45,7 @@ class Transport:
 
     def connect(self, gen: int, rank: int) -> None:
         """Join the group of generation ``gen``; raises ``PeerFailure`` if an even newer one appears."""
-        store = dist.PrefixStore(f"pg/{gen}", self.member.store)
+        store = dist.PrefixStore(f"{self.name}/{gen}", self.member.store)
         result: Future = Future()
 
         def build() -> None:
@@ -56,7 +56,7 @@ class Transport:
 
         self._retire(self.pg)
         self.gen, self.rank, self.pg = gen, rank, None
-        threading.Thread(target=build, name=f"torchpass-connect-{gen}", daemon=True).start()
+        threading.Thread(target=build, name=f"torchpass-connect-{self.name}-{gen}", daemon=True).start()
         self.pg = self._wait_future(result, f"connect generation {gen}")
 
     def _retire(self, pg: dist.ProcessGroup | None) -> None:
@@ -103,15 +103,10 @@ class Transport:
             raise PeerFailure(f"{what}: {exc}") from exc
 
     # -- operations (each blocks until done or until a failure is known) -------------------------------
-    def all_reduce(
-        self, tensor: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM, issued: Callable[[], None] | None = None
-    ) -> None:
+    def all_reduce(self, tensor: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM, what: str = "all_reduce") -> None:
         opts = dist.AllreduceOptions()
         opts.reduceOp = op
-        work = self.pg.allreduce([tensor], opts)
-        if issued is not None:
-            issued()
-        self.wait(work, "all_reduce")
+        self.wait(self.pg.allreduce([tensor], opts), what)
 
     def broadcast(self, tensor: torch.Tensor, src: int) -> None:
         opts = dist.BroadcastOptions()

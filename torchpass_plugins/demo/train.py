@@ -18,8 +18,8 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-import torchpass_plugins  # noqa: F401  (registers "torchpass_ddp")
-from torchpass_plugins import TorchPassCallback, TorchPassDDPStrategy
+import torchpass_plugins  # noqa: F401  (registers "torchpass_ddp" and "torchpass_fsdp")
+from torchpass_plugins import TorchPassCallback, TorchPassDDPStrategy, TorchPassFSDPStrategy
 
 
 def make_dataset(samples: int = 480, features: int = 16, classes: int = 4) -> TensorDataset:
@@ -79,6 +79,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--sleep-per-step", type=float, default=0.0)
     p.add_argument("--val-every", type=int, default=0, help="validate every N training batches (0: never)")
     p.add_argument("--bucket-cap-mb", type=float, default=None, help="gradient bucket size (several buckets)")
+    p.add_argument("--strategy", choices=["torchpass_ddp", "torchpass_fsdp"], default="torchpass_ddp")
+    p.add_argument("--replicate-every", type=int, default=1, help="torchpass_fsdp: ring replica refresh interval")
     args = p.parse_args(argv)
 
     L.seed_everything(7)
@@ -89,9 +91,14 @@ def main(argv: list[str] | None = None) -> None:
         model.out_dir = args.out
     loader = DataLoader(make_dataset(), batch_size=args.batch_size, shuffle=True)
     val = DataLoader(make_dataset(96), batch_size=args.batch_size) if args.val_every else None
+    strategy = args.strategy
+    if args.strategy == "torchpass_fsdp":
+        strategy = TorchPassFSDPStrategy(auto_wrap_policy={nn.Linear}, replicate_every_n_steps=args.replicate_every)
+    elif args.bucket_cap_mb:
+        strategy = TorchPassDDPStrategy(bucket_cap_mb=args.bucket_cap_mb)
     trainer = L.Trainer(
         accelerator="cpu",
-        strategy=TorchPassDDPStrategy(bucket_cap_mb=args.bucket_cap_mb) if args.bucket_cap_mb else "torchpass_ddp",
+        strategy=strategy,
         devices=args.devices,
         num_nodes=args.num_nodes,
         max_steps=args.max_steps,
@@ -106,8 +113,9 @@ def main(argv: list[str] | None = None) -> None:
         num_sanity_val_steps=0,
     )
     trainer.fit(model, loader, val)
+    # Sharded parameters are gathered to full tensors (a collective: every rank takes part).
+    state = {k: getattr(v, "full_tensor", lambda v=v: v)().detach().clone() for k, v in model.state_dict().items()}
     if args.out is not None and trainer.global_rank == 0:
-        state = {k: v.detach().clone() for k, v in model.state_dict().items()}
         opt_state = trainer.optimizers[0].state_dict()["state"]
         torch.save({"weights": state, "global_step": trainer.global_step,
                     "adam_steps": [float(s["step"]) for s in opt_state.values()], "pid": os.getpid()},

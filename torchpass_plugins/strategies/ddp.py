@@ -110,6 +110,10 @@ class TorchPassDDPStrategy(ParallelStrategy):
         for callback in self.lightning_module.trainer.callbacks:
             if isinstance(callback, TorchPassCallback):
                 callback.attach(self.runtime)
+        self._connect()
+
+    def _connect(self) -> None:
+        """Start communicating: a spare receives its predecessor's state here."""
         if self.runtime.is_spare:
             self.runtime.enter_as_spare()
 

@@ -1,0 +1,467 @@
+"""``torchpass_fsdp``: fully sharded training (torch FSDP2) whose shards survive the loss of a rank.
+
+FSDP2 is built on a :class:`RelayGroup` (the default process group), so the group it holds survives
+failures while the real gloo group is rebuilt per generation. Each rank's shard is replicated to its ring
+successor every ``replicate_every_n_steps`` steps (:class:`RingReplicator`). A failed collective poisons the
+relay: the step runs to its end locally, is discarded before the optimizer applies it, every member of the
+new roster agrees on the newest step whose shards all exist (:class:`ShardAgreement`), the spare receives
+the lost shard from the successor and the rest of the state from a survivor, everyone restores that step in
+memory and the fit loop re-runs from it (:mod:`step_replay`).
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+import pickle
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any, Optional, Union
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch.strategies import ParallelStrategy
+from lightning.pytorch.strategies.strategy import TBroadcast
+from lightning.pytorch.trainer.states import TrainerFn
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from torchpass_plugins import faults, shard_state
+from torchpass_plugins.membership import ConfigError, JobAborted
+from torchpass_plugins.relay_group import RelayGroup, init_relay_world
+from torchpass_plugins.ring_replication import RingReplicator
+from torchpass_plugins.sharded_recovery import ShardAgreement, ShardRow
+from torchpass_plugins.state_transfer import recv_state, send_packed, send_state, unpack
+from torchpass_plugins.step_replay import ReplayFetcher, StepFailed, rewind_loops
+from torchpass_plugins.strategies.ddp import _REDUCE_OPS, TorchPassDDPStrategy
+from torchpass_plugins.transport import PeerFailure, Transport
+
+WrapPolicy = Union[set[type[nn.Module]], int, None]
+StateFilter = Callable[[str, nn.Parameter], bool]
+
+
+def trainable_only(name: str, param: nn.Parameter) -> bool:
+    """A model-aware ``state_filter``: frozen parameters never change, so their shards need not move."""
+    return param.requires_grad
+
+
+def _hyperparameters(optimizer: Optimizer) -> list[dict[str, Any]]:
+    """Per parameter group: lr, betas... (schedulers change them), without the parameters."""
+    return [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
+
+
+def _set_hyperparameters(optimizer: Optimizer, groups: list[dict[str, Any]]) -> None:
+    for group, values in zip(optimizer.param_groups, groups, strict=True):
+        group.update(values)
+
+
+class TorchPassFSDPStrategy(TorchPassDDPStrategy):
+    """Fully sharded data parallel with hot spares. Use ``strategy="torchpass_fsdp"`` under ``torchpass launch``.
+
+    Args:
+        auto_wrap_policy: module classes to shard as units, or a parameter count from which a module is
+            its own unit; ``None`` makes each direct child of the LightningModule one unit. Ignored when the
+            module shards itself in ``configure_model``.
+        replicate_every_n_steps: refresh the ring replica every N optimizer steps (0: off; a loss then stops
+            the job). A failure can cost up to N steps, rolled back in memory.
+        state_filter: model-aware mode: ``(name, param) -> bool`` selects the parameters whose shard state
+            is replicated and handed over; the others are assumed unchanged since the spare built them.
+        reshard_after_forward, mp_policy, offload_policy: passed to ``fully_shard``.
+    """
+
+    strategy_name = "torchpass_fsdp"
+
+    def __init__(
+        self,
+        accelerator=None,
+        parallel_devices: Optional[list[torch.device]] = None,
+        cluster_environment=None,
+        checkpoint_io=None,
+        precision_plugin=None,
+        timeout: Union[timedelta, float] = timedelta(minutes=5),
+        auto_wrap_policy: WrapPolicy = None,
+        replicate_every_n_steps: int = 1,
+        state_filter: Optional[StateFilter] = None,
+        reshard_after_forward: bool = True,
+        mp_policy: Optional[MixedPrecisionPolicy] = None,
+        offload_policy: Optional[OffloadPolicy] = None,
+    ) -> None:
+        if replicate_every_n_steps < 0:
+            raise ConfigError(f"torchpass: replicate_every_n_steps must be >= 0, got {replicate_every_n_steps}")
+        super().__init__(accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin, timeout)
+        self._timeout = timeout if isinstance(timeout, timedelta) else timedelta(seconds=timeout)
+        self._policy = auto_wrap_policy
+        self._state_filter = state_filter
+        self._shard_kwargs: dict[str, Any] = {"reshard_after_forward": reshard_after_forward}
+        if mp_policy is not None:
+            self._shard_kwargs["mp_policy"] = mp_policy
+        if offload_policy is not None:
+            self._shard_kwargs["offload_policy"] = offload_policy
+        self.replicator = RingReplicator(Transport(self.runtime.member, self._timeout, "repl"), replicate_every_n_steps)
+        self.relay: RelayGroup | None = None
+        self._fetcher: ReplayFetcher | None = None
+        self._incoming: dict | None = None  # a spare's shard, applied when Lightning restores the model
+        self._handing_over = False
+        self._rewound = False
+        self._fenced = True
+        self._entering = False  # a spare until its first step: the survivors make no collective meanwhile
+
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True  # the model must be sharded before a (handed-over) state is loaded into it
+
+    # -- connection and setup ---------------------------------------------------------------------------
+    @override
+    def _connect(self) -> None:
+        if self.world_size < 2 and self.replicator.every:
+            raise ConfigError("torchpass_fsdp replicates each shard on another rank: it needs devices >= 2")
+        rt = self.runtime
+        self.relay = init_relay_world(rt.transport, rt.rank, rt.world_size, self._before_reduce, self._timeout)
+        if rt.is_spare:
+            rt.events.emit("spare_promoted", rank=rt.rank, gen=rt.member.latest_gen)
+            self._recover("spare promoted")
+            return
+        try:
+            self.replicator.side.connect(rt.transport.gen, rt.rank)
+        except PeerFailure as exc:
+            self.relay.poisoned = str(exc)
+
+    @override
+    def setup(self, trainer) -> None:
+        self.accelerator.setup(trainer)
+        self.model_to_device()
+        if not self.runtime.is_spare and self._incoming is None:
+            self._broadcast_parameters()
+        self._shard(self.lightning_module)
+        if trainer.state.fn == TrainerFn.FITTING:
+            ParallelStrategy.setup_optimizers(self, trainer)
+        self.setup_precision_plugin()
+
+    @override
+    def _broadcast_parameters(self) -> None:
+        with torch.no_grad():
+            for tensor in self.model.state_dict().values():
+                if isinstance(tensor, Tensor):
+                    dist.broadcast(tensor, 0)
+
+    def _shard(self, module: nn.Module) -> None:
+        if any(isinstance(m, FSDPModule) for m in module.modules()):
+            return  # the LightningModule sharded itself in configure_model
+        if any(True for _ in module.parameters(recurse=False)):
+            raise ConfigError(
+                "torchpass_fsdp shards the LightningModule's child modules; move the parameters registered "
+                "directly on it into a submodule, or shard the model yourself in configure_model()"
+            )
+        kwargs = {"mesh": DeviceMesh.from_group(dist.group.WORLD, "cpu"), **self._shard_kwargs}
+        managed: set[int] = set()
+        for sub in reversed(list(module.modules())):
+            if sub is module or not self._wraps(sub, managed):
+                continue
+            fully_shard(sub, **kwargs)
+            managed.update(id(p) for p in sub.parameters())
+        for child in module.children():
+            if not isinstance(child, FSDPModule) and any(id(p) not in managed for p in child.parameters()):
+                fully_shard(child, **kwargs)
+
+    def _wraps(self, module: nn.Module, managed: set[int]) -> bool:
+        if isinstance(self._policy, int):
+            return sum(p.numel() for p in module.parameters() if id(p) not in managed) >= self._policy
+        return bool(self._policy) and isinstance(module, tuple(self._policy))
+
+    # -- what Lightning saves and restores ----------------------------------------------------------------
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        return {} if self._handing_over else super().lightning_module_state_dict()
+
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        return {} if self._handing_over else super().optimizer_state(optimizer)
+
+    @override
+    def load_model_state_dict(self, checkpoint: dict[str, Any], strict: bool = True) -> None:
+        if self._incoming is None:
+            return super().load_model_state_dict(checkpoint, strict)
+        shard_state.restore(self.lightning_module, None, {"params": self._incoming["params"], "optim": {}})
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: dict[str, Any]) -> None:
+        if self._incoming is None:
+            return super().load_optimizer_state_dict(checkpoint)
+        incoming, self._incoming = self._incoming, None
+        for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"], strict=True):
+            _set_hyperparameters(optimizer, state["param_groups"])
+        shard_state.restore(self.lightning_module, self.optimizers[0], {"params": {}, "optim": incoming["optim"]})
+
+    # -- the training step ------------------------------------------------------------------------------
+    @override
+    def on_train_start(self) -> None:
+        trainer = self.lightning_module.trainer
+        loop = trainer.fit_loop.epoch_loop
+        run, advance, advance_end = (getattr(type(loop), n).__get__(loop) for n in ("run", "advance", "on_advance_end"))
+
+        def run_epoch(data_fetcher) -> None:
+            self._fetcher = ReplayFetcher(data_fetcher, trainer.global_step)
+            run(self._fetcher)
+
+        def advance_batch(data_fetcher) -> None:
+            self._rewound = False
+            try:
+                if loop.batch_progress.current.ready % trainer.accumulate_grad_batches == 0:
+                    self._boundary(trainer.global_step)
+                advance(data_fetcher)
+            except StepFailed as exc:
+                self._recover(str(exc))
+                self._rewound = True
+
+        def end_of_batch(data_fetcher) -> None:
+            if not self._rewound:  # a discarded step has no end
+                advance_end(data_fetcher)
+
+        loop.run, loop.advance, loop.on_advance_end = run_epoch, advance_batch, end_of_batch
+
+    def _boundary(self, step: int) -> None:
+        self._entering = False
+        self.runtime.boundary(step)
+        self._raise_if_failed()
+        self._fetcher.tag = step
+        self._fenced = False
+        if self.replicator.due(step):
+            try:
+                self.replicator.start_round(step, self._capture(), self._host_now())
+            except PeerFailure as exc:
+                self.relay.poisoned = str(exc)
+        self._fetcher.forget_before(min(self.replicator.own, default=step))
+
+    def _before_reduce(self) -> None:
+        """Before the step's first gradient reduction: its replication round must be complete."""
+        if self._fenced:
+            return
+        self._fenced = True
+        try:
+            self.replicator.fence()
+        except PeerFailure as exc:
+            self.relay.poisoned = str(exc)
+        faults.point("reduce")
+
+    @override
+    def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model=None, **kwargs: Any) -> Any:
+        def closure_then_check() -> Any:
+            result = closure()
+            self._before_reduce()  # a step without gradients still fences its round
+            faults.point("commit")
+            self._raise_if_failed()
+            return result
+
+        result = ParallelStrategy.optimizer_step(self, optimizer, closure_then_check, model, **kwargs)
+        faults.point("optimizer")
+        return result
+
+    @override
+    def on_train_end(self) -> None:
+        step = self.lightning_module.trainer.global_step
+        self._entering = False
+        while True:
+            if self._failure() is None:
+                self.runtime.boundary(step)
+                if self.replicator.due(step):
+                    try:
+                        self.replicator.start_round(step, self._capture(), self._host_now())
+                        self.replicator.fence()
+                    except PeerFailure as exc:
+                        self.relay.poisoned = str(exc)
+                self.barrier("torchpass.fit_end")
+            failure = self._failure()
+            if failure is None:
+                return
+            if self._recover(failure) != step:
+                raise JobAborted(
+                    f"torchpass: a failure after the last step left no copy of step {step}'s shards; "
+                    "resume the job from its newest snapshot"
+                )
+
+    def _failure(self) -> str | None:
+        if self.relay.poisoned is not None:
+            return self.relay.poisoned
+        return "a newer roster" if self.runtime.transport.stale() else None
+
+    def _raise_if_failed(self) -> None:
+        failure = self._failure()
+        if failure is not None:
+            raise StepFailed(failure)
+
+    # -- state --------------------------------------------------------------------------------------------
+    def _skip(self) -> frozenset[str]:
+        if self._state_filter is None:
+            return frozenset()
+        return frozenset(n for n, p in self.lightning_module.named_parameters() if not self._state_filter(n, p))
+
+    def _capture(self) -> dict:
+        optimizer = self.optimizers[0] if self.optimizers else None
+        return shard_state.capture(self.lightning_module, optimizer, self._skip())
+
+    def _host_now(self) -> dict:
+        """Loop progress (this boundary's snapshot) and scheduler state: restored with the shards."""
+        schedulers = [c.scheduler.state_dict() for c in self.lightning_module.trainer.lr_scheduler_configs]
+        groups = [_hyperparameters(optimizer) for optimizer in self.optimizers]
+        return copy.deepcopy({"loops": self.runtime._snapshot, "schedulers": schedulers, "param_groups": groups})
+
+    def _host_at(self, step: int) -> dict:
+        if step in self.replicator.own:
+            return self.replicator.own[step].host
+        return self._host_now()  # the live boundary (no rank was lost, so no replica was needed)
+
+    def _host_checkpoint(self, step: int) -> dict:
+        """Everything a spare needs besides the shards: Lightning's checkpoint without model and optimizer."""
+        self._handing_over = True
+        try:
+            checkpoint = self.lightning_module.trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+        finally:
+            self._handing_over = False
+        host = self._host_at(step)
+        checkpoint["loops"]["fit_loop"] = host["loops"]
+        checkpoint["lr_schedulers"] = host["schedulers"]
+        checkpoint["optimizer_states"] = [{"param_groups": groups} for groups in host["param_groups"]]
+        return checkpoint
+
+    # -- recovery -----------------------------------------------------------------------------------------
+    def _row(self) -> ShardRow:
+        rt = self.runtime
+        if rt.is_spare:
+            return ShardRow(spare=True)
+        applied = self.lightning_module.trainer.global_step
+        return ShardRow(False, applied, rt.last_boundary, tuple(self.replicator.own), tuple(self.replicator.replicas))
+
+    def _recover(self, cause: str) -> int:
+        """Rebuild the groups of the newest roster and restore the agreed step everywhere; returns it."""
+        rt = self.runtime
+        t0 = time.perf_counter()
+        while True:
+            gen = rt.next_roster()
+            try:
+                self.replicator.fence()  # the round in flight ends at once: its group is stale
+            except PeerFailure:
+                pass
+            try:
+                rt.transport.connect(gen, rt.rank)
+                self.replicator.side.connect(gen, rt.rank)
+                rows = [ShardRow.from_tensor(t) for t in rt.transport.all_gather(self._row().to_tensor())]
+                agreement = ShardAgreement.decide(rows)
+                self._exchange(agreement)
+            except PeerFailure as exc:
+                cause = str(exc)
+                continue
+            break
+        if rt.is_spare:
+            self._entering = True
+        else:
+            self._restore(agreement.restore_step)
+        rt.is_spare = False
+        self.replicator.reset()
+        self.relay.heal()
+        rt.events.emit(
+            "recovered", rank=rt.rank, gen=gen, cause=cause, seconds=time.perf_counter() - t0,
+            restore_step=agreement.restore_step, steps_rolled_back=agreement.lost_steps,
+            sources={str(k): v for k, v in agreement.sources.items()}, donor=agreement.donor,
+        )
+        return agreement.restore_step
+
+    def _exchange(self, a: ShardAgreement) -> None:
+        """The lost shards from their ring successors, then the rest of the state from the donor."""
+        rt, step = self.runtime, a.restore_step
+        for lost, source in sorted(a.sources.items()):
+            if rt.rank == source:
+                packed = self.replicator.replicas[step]
+                t0 = time.perf_counter()
+                nbytes = send_packed(rt.transport, packed.meta, packed.payload, lost)
+                rt.events.emit("state_sent", rank=rt.rank, to=lost, kind="shard", bytes=nbytes,
+                               seconds=time.perf_counter() - t0)
+            elif rt.rank == lost:
+                t0 = time.perf_counter()
+                self._incoming, nbytes = recv_state(rt.transport, source)
+                rt.events.emit("state_received", rank=rt.rank, src=source, kind="shard", bytes=nbytes,
+                               seconds=time.perf_counter() - t0)
+        for lost in sorted(a.sources):
+            if rt.rank == a.donor:
+                nbytes = send_state(rt.transport, self._host_checkpoint(step), lost)
+                rt.events.emit("state_sent", rank=rt.rank, to=lost, kind="host", bytes=nbytes)
+            elif rt.rank == lost:
+                host, nbytes = recv_state(rt.transport, a.donor)
+                rt.events.emit("state_received", rank=rt.rank, src=a.donor, kind="host", bytes=nbytes)
+                self.adapter.load_state(host)
+
+    def _restore(self, step: int) -> None:
+        """A survivor: put shards, schedulers, loop progress and data position back to boundary ``step``."""
+        trainer = self.lightning_module.trainer
+        live = self.runtime.last_boundary == step == trainer.global_step
+        host = self._host_at(step)
+        if not live:
+            packed = self.replicator.own[step]
+            shard_state.restore(self.lightning_module, self.optimizers[0], unpack(packed.meta, packed.payload))
+            for config, state in zip(trainer.lr_scheduler_configs, host["schedulers"], strict=True):
+                config.scheduler.load_state_dict(state)
+            for optimizer, groups in zip(self.optimizers, host["param_groups"], strict=True):
+                _set_hyperparameters(optimizer, groups)
+        rewind_loops(trainer.fit_loop, host["loops"])
+        if self._fetcher is not None:
+            self._fetcher.rewind(step)
+        for optimizer in self.optimizers:
+            optimizer.zero_grad(set_to_none=True)
+
+    # -- collectives (a poisoned relay leaves each rank with its local value) ---------------------------
+    def _local_only(self) -> bool:
+        return self._entering or self.relay.poisoned is not None
+
+    @override
+    def barrier(self, name: Optional[str] = None) -> None:
+        if not self._local_only():
+            dist.barrier()
+
+    @override
+    def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
+        if self._local_only():
+            return obj
+        buf = io.BytesIO()
+        if self.global_rank == src:
+            pickle.dump(obj, buf)
+        size = torch.tensor([len(buf.getvalue())], dtype=torch.int64)
+        dist.broadcast(size, src)
+        if self.relay.poisoned is not None:
+            return obj
+        data = torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8) if self.global_rank == src else (
+            torch.empty(int(size), dtype=torch.uint8))
+        dist.broadcast(data, src)
+        if self.relay.poisoned is not None or self.global_rank == src:
+            return obj
+        return pickle.loads(data.numpy().tobytes())
+
+    @override
+    def reduce(self, tensor: Any, group: Optional[Any] = None, reduce_op: Optional[Union[str, Any]] = "mean") -> Any:
+        if not isinstance(tensor, Tensor) or self._local_only():
+            return tensor
+        op = (reduce_op or "mean").lower() if isinstance(reduce_op, str) else reduce_op
+        mean = op in ("mean", "avg")
+        out = tensor.detach().clone().to(torch.float32 if mean and not tensor.is_floating_point() else tensor.dtype)
+        dist.all_reduce(out, _REDUCE_OPS.get("sum" if mean else op, op))
+        if self.relay.poisoned is not None:
+            return tensor
+        return out / self.world_size if mean else out
+
+    @override
+    def all_gather(self, tensor: Tensor, group: Optional[Any] = None, sync_grads: bool = False) -> Tensor:
+        parts = [torch.empty_like(tensor) for _ in range(self.world_size)]
+        if not self._local_only():
+            dist.all_gather(parts, tensor.detach().contiguous())
+        if self._local_only():
+            return torch.stack([tensor] * self.world_size)
+        return torch.stack(parts)
+
+    @classmethod
+    def register_strategies(cls, strategy_registry) -> None:
+        strategy_registry.register(
+            cls.strategy_name, cls, description="FSDP2 whose shards survive the loss of a rank (ring replicas)"
+        )
