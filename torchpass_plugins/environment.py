@@ -15,7 +15,15 @@ from datetime import timedelta
 from lightning.fabric.plugins.environments import ClusterEnvironment
 from typing_extensions import override
 
-from torchpass_plugins.membership import CONFIG_ERROR_EXIT, ConfigError, JobAborted, WorkerEnv
+from torchpass_plugins.membership import (
+    CONFIG_ERROR_EXIT,
+    UNRECOVERABLE_EXIT,
+    ConfigError,
+    JobAborted,
+    Unrecoverable,
+    WorkerEnv,
+    abort_request_key,
+)
 from torchpass_plugins.runtime import Runtime
 
 log = logging.getLogger(__name__)
@@ -52,11 +60,15 @@ def current_runtime(timeout: timedelta = timedelta(minutes=5)) -> Runtime:
 
 def _exit_job_on_config_error() -> None:
     """A ``ConfigError`` that reaches the top of a worker exits with ``CONFIG_ERROR_EXIT``, which makes the
-    agent stop the whole job with the message instead of handing the same mistake to a spare. A
+    agent stop the whole job with the message instead of handing the same mistake to a spare. An
+    ``Unrecoverable`` state hands its message to the coordinator, which stops the job with it. A
     ``JobAborted`` leaves quietly: the agent prints the coordinator's message once for the whole job."""
     previous = sys.excepthook
 
     def hook(exc_type, exc, tb) -> None:
+        if issubclass(exc_type, Unrecoverable) and _RUNTIME is not None:
+            _RUNTIME.member.store.set(abort_request_key(_RUNTIME.env.worker_id), str(exc))
+            os._exit(UNRECOVERABLE_EXIT)
         if issubclass(exc_type, JobAborted):
             os._exit(1)
         previous(exc_type, exc, tb)

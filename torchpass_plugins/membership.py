@@ -34,12 +34,24 @@ class ConfigError(ValueError):
 CONFIG_ERROR_EXIT = 78  # EX_CONFIG: the agent stops the job instead of replacing the worker
 
 
+class Unrecoverable(JobAborted):
+    """The members found that no spare can restore the lost state (e.g. a shard and its replica both lost):
+    the worker hands the message to the coordinator, which stops the job with it."""
+
+
+UNRECOVERABLE_EXIT = 79  # the message is in ``abort_request_key(worker)``
+
+
 def roster_key(gen: int) -> str:
     return f"roster/{gen}"
 
 
 def assign_key(worker_id: str) -> str:
     return f"assign/{worker_id}"
+
+
+def abort_request_key(worker_id: str) -> str:
+    return f"abort_request/{worker_id}"
 
 
 def heartbeat_key(worker_id: str) -> str:

@@ -24,7 +24,7 @@ import torch
 from torchpass_plugins import faults, rng
 from torchpass_plugins.events import EventLog
 from torchpass_plugins.grad_buckets import GradientBuckets
-from torchpass_plugins.membership import JobAborted, Member, WorkerEnv
+from torchpass_plugins.membership import JobAborted, Member, Unrecoverable, WorkerEnv
 from torchpass_plugins.state_transfer import recv_state, send_state
 from torchpass_plugins.transport import PeerFailure, Transport
 
@@ -96,7 +96,7 @@ class Agreement:
         """
         survivors = {r: row for r, row in enumerate(rows) if not row.spare}
         if not survivors:
-            raise JobAborted("torchpass: every rank lost its state at once; resume from a snapshot")
+            raise Unrecoverable("torchpass: every rank lost its state at once; resume from a snapshot")
         behind = min(row.applied for row in survivors.values())
         pending = [r for r, row in survivors.items() if row.applied == behind]
         committed = frozenset()

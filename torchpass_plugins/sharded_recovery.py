@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from torchpass_plugins.membership import JobAborted
+from torchpass_plugins.membership import Unrecoverable
 
 NONE = -1
 
@@ -61,7 +61,7 @@ class ShardAgreement:
         world = len(rows)
         survivors = [r for r, row in enumerate(rows) if not row.spare]
         if not survivors:
-            raise JobAborted("torchpass: every rank lost its state at once; resume from a snapshot")
+            raise Unrecoverable("torchpass: every rank lost its state at once; resume from a snapshot")
         sources, available = {}, []
         for r, row in enumerate(rows):
             if not row.spare:
@@ -69,7 +69,7 @@ class ShardAgreement:
                 continue
             buddy = (r + 1) % world
             if rows[buddy].spare:
-                raise JobAborted(
+                raise Unrecoverable(
                     f"torchpass: logical rank {r} and its replica holder, rank {buddy}, were lost together, so "
                     f"rank {r}'s shard exists nowhere. Resume the job from its newest snapshot."
                 )
@@ -77,9 +77,9 @@ class ShardAgreement:
             available.append(set(rows[buddy].replicas))
         common = set.intersection(*available)
         if not common:
-            raise JobAborted(
-                "torchpass: no step is held by every rank's shard copies (a failure during the first "
-                "replication round); resume the job from its newest snapshot."
+            raise Unrecoverable(
+                "torchpass: no step is held by every rank's shard copies (replication is off, or a failure came "
+                "before the first replication round completed); resume the job from its newest snapshot."
             )
         step = max(common)
         lost = max(rows[r].applied for r in survivors) - step

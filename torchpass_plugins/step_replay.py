@@ -14,7 +14,7 @@ from typing import Any
 
 from lightning.pytorch.loops.loop import _Loop
 
-from torchpass_plugins.membership import JobAborted
+from torchpass_plugins.membership import Unrecoverable
 
 
 class StepFailed(RuntimeError):
@@ -74,7 +74,7 @@ class ReplayFetcher:
     def rewind(self, step: int) -> None:
         """The next ``next`` calls return the batches of step ``step`` onwards again."""
         if step < self.first_tag:
-            raise JobAborted(
+            raise Unrecoverable(
                 f"torchpass: the recovery must return to step {step}, whose batches are not held any more (it "
                 "belongs to an earlier epoch); resume the job from its newest snapshot."
             )

@@ -20,6 +20,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import torchpass_plugins  # noqa: F401  (registers "torchpass_ddp" and "torchpass_fsdp")
 from torchpass_plugins import TorchPassCallback, TorchPassDDPStrategy, TorchPassFSDPStrategy
+from torchpass_plugins.strategies.fsdp import trainable_only
 
 
 def make_dataset(samples: int = 480, features: int = 16, classes: int = 4) -> TensorDataset:
@@ -81,11 +82,15 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--bucket-cap-mb", type=float, default=None, help="gradient bucket size (several buckets)")
     p.add_argument("--strategy", choices=["torchpass_ddp", "torchpass_fsdp"], default="torchpass_ddp")
     p.add_argument("--replicate-every", type=int, default=1, help="torchpass_fsdp: ring replica refresh interval")
+    p.add_argument("--freeze-first", action="store_true", help="freeze the first layer (a frozen backbone)")
+    p.add_argument("--model-aware", action="store_true", help="torchpass_fsdp: move only trainable state")
     args = p.parse_args(argv)
 
     L.seed_everything(7)
     model = Classifier()
     model.sleep_per_step = args.sleep_per_step
+    if args.freeze_first:
+        model.net[0].requires_grad_(False)
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
         model.out_dir = args.out
@@ -93,7 +98,8 @@ def main(argv: list[str] | None = None) -> None:
     val = DataLoader(make_dataset(96), batch_size=args.batch_size) if args.val_every else None
     strategy = args.strategy
     if args.strategy == "torchpass_fsdp":
-        strategy = TorchPassFSDPStrategy(auto_wrap_policy={nn.Linear}, replicate_every_n_steps=args.replicate_every)
+        strategy = TorchPassFSDPStrategy(auto_wrap_policy={nn.Linear}, replicate_every_n_steps=args.replicate_every,
+                                         state_filter=trainable_only if args.model_aware else None)
     elif args.bucket_cap_mb:
         strategy = TorchPassDDPStrategy(bucket_cap_mb=args.bucket_cap_mb)
     trainer = L.Trainer(

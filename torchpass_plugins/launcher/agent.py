@@ -28,6 +28,7 @@ from torchpass_plugins.membership import (
     CONFIG_ERROR_EXIT,
     EXIT_QUEUE,
     LEAVING,
+    UNRECOVERABLE_EXIT,
     WorkerEnv,
     connect_store,
     heartbeat_key,
@@ -189,7 +190,7 @@ class Agent:
                 self._report_exit(slot, code)
                 slot.proc = None
                 next_check = 0.0  # look at the verdict soon after an exit
-                if code not in (0, CONFIG_ERROR_EXIT) and cfg.refill and not done:
+                if code not in (0, CONFIG_ERROR_EXIT, UNRECOVERABLE_EXIT) and cfg.refill and not done:
                     slot.incarnation += 1
                     self._spawn(slot)
                     alive += 1

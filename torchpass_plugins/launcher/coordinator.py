@@ -20,7 +20,9 @@ from torchpass_plugins.membership import (
     CONFIG_ERROR_EXIT,
     EXIT_QUEUE,
     JOIN_QUEUE,
+    UNRECOVERABLE_EXIT,
     Roster,
+    abort_request_key,
     assign_key,
     roster_key,
     watch_key,
@@ -97,6 +99,9 @@ class Coordinator:
         rank = self.ranks.index(worker_id)
         if code == CONFIG_ERROR_EXIT:
             self._abort(f"worker {worker_id} (logical rank {rank}) stopped on a configuration error; see its output")
+            return
+        if code == UNRECOVERABLE_EXIT:
+            self._abort(self.store.get(abort_request_key(worker_id)).decode())
             return
         if code == 0:
             self.finished.add(rank)

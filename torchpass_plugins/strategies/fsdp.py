@@ -31,7 +31,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from torchpass_plugins import faults, shard_state
-from torchpass_plugins.membership import ConfigError, JobAborted
+from torchpass_plugins.membership import ConfigError, Unrecoverable
 from torchpass_plugins.relay_group import RelayGroup, init_relay_world
 from torchpass_plugins.ring_replication import RingReplicator
 from torchpass_plugins.sharded_recovery import ShardAgreement, ShardRow
@@ -279,7 +279,7 @@ class TorchPassFSDPStrategy(TorchPassDDPStrategy):
             if failure is None:
                 return
             if self._recover(failure) != step:
-                raise JobAborted(
+                raise Unrecoverable(
                     f"torchpass: a failure after the last step left no copy of step {step}'s shards; "
                     "resume the job from its newest snapshot"
                 )

@@ -1,0 +1,57 @@
+"""``torchpass_fsdp`` end to end: real processes, FSDP2 over gloo, real SIGKILLs, ring-replicated shards."""
+
+from __future__ import annotations
+
+import torch
+from conftest import STEPS, assert_bit_exact
+from jobs import run
+
+FSDP = ("--strategy", "torchpass_fsdp")
+TRAIN = ("--devices", "3", "--max-steps", str(STEPS), *FSDP)
+
+
+def test_kill_mid_step_restores_the_shard_from_its_replica(tmp_path, reference):
+    job, codes = run(tmp_path, train_args=TRAIN, faults="kill@rank=1,step=5,phase=reduce")
+    assert_bit_exact(job, codes, reference(3, FSDP))
+    recovered = job.events("recovered")
+    assert {e["rank"] for e in recovered} == {0, 1, 2}
+    assert {(e["restore_step"], e["steps_rolled_back"]) for e in recovered} == {(5, 0)}
+    [shard] = [e for e in job.events("state_received") if e["kind"] == "shard"]
+    assert (shard["rank"], shard["src"]) == (1, 2)  # rank 1's replica lives on its ring successor
+
+
+def test_replicating_every_4_steps_rolls_back_in_memory_and_replays(tmp_path, reference):
+    job, codes = run(tmp_path, train_args=(*TRAIN, "--replicate-every", "4"), faults="kill@rank=1,step=6,phase=reduce")
+    assert all(code == 0 for code in codes), job.output()[-4000:]
+    assert {e["steps_rolled_back"] for e in job.events("recovered")} == {2}
+    # Steps 4 and 5 were applied, rolled back with every shard, and applied again from the same batches and
+    # random streams: the result is the failure-free run's, bit for bit.
+    final, expected = job.final(), reference(3, FSDP).final()
+    for name, tensor in expected["weights"].items():
+        assert torch.equal(final["weights"][name], tensor), name
+    for rank in range(3):
+        assert job.applied(rank) == [*range(6), *range(4, STEPS)]
+    assert job.leftovers() == []
+
+
+def test_a_rank_lost_with_its_replica_holder_stops_the_job_clearly(tmp_path):
+    job, codes = run(tmp_path, nproc=5, spares=2, train_args=TRAIN, launch_args=("--no-refill",),
+                     faults="kill@rank=1,step=4,phase=reduce;kill@rank=2,step=4,phase=reduce")
+    assert codes == [1]
+    out = job.output()
+    assert out.count("logical rank 1 and its replica holder, rank 2, were lost together") == 1, out[-3000:]
+    assert "Resume the job from its newest snapshot" in out and "Traceback" not in out
+    assert job.leftovers() == []
+
+
+def test_model_aware_mode_moves_fewer_bytes_to_the_same_result(tmp_path):
+    frozen = (*TRAIN, "--freeze-first")
+    results = {}
+    for mode, extra in (("transparent", ()), ("model_aware", ("--model-aware",))):
+        job, codes = run(tmp_path / mode, train_args=(*frozen, *extra), faults="kill@rank=1,step=5,phase=reduce")
+        assert all(code == 0 for code in codes), job.output()[-4000:]
+        [shard] = [e for e in job.events("state_received") if e["kind"] == "shard"]
+        results[mode] = (shard["bytes"], job.final()["weights"])
+    assert results["model_aware"][0] < results["transparent"][0]
+    for name, tensor in results["transparent"][1].items():
+        assert torch.equal(results["model_aware"][1][name], tensor), name
