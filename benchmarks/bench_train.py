@@ -1,7 +1,7 @@
 """The training script both benchmarks launch: one model and data set, two strategies.
 
-``--strategy torchpass_ddp`` runs under ``torchpass launch``; ``--strategy ddp`` is plain Lightning under
-``torchrun``. Model, data, seed and optimizer are identical, so any difference comes from the strategy
+``--strategy torchpass_ddp`` or ``torchpass_fsdp`` runs under ``torchpass launch``; ``--strategy ddp`` is plain
+Lightning under ``torchrun``. Model, data, seed and optimizer are identical, so any difference comes from the strategy
 and the launcher. Each logical rank appends every optimizer step it completes, with wall-clock and
 ``perf_counter`` times, to ``OUT/steps_rank{r}.txt``: the drivers compute regain times and step times
 from these lines, not from file modification times.
@@ -117,7 +117,8 @@ def _claim(marker: Path) -> bool:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--strategy", choices=("torchpass_ddp", "ddp"), required=True)
+    p.add_argument("--strategy", choices=("torchpass_ddp", "torchpass_fsdp", "ddp"), required=True)
+    p.add_argument("--replicate-every", type=int, default=1, help="torchpass_fsdp: ring replica interval (0: off)")
     p.add_argument("--devices", type=int, default=3)
     p.add_argument("--max-steps", type=int, default=30)
     p.add_argument("--accumulate", type=int, default=1)
@@ -137,10 +138,15 @@ def main(argv: list[str] | None = None) -> None:
     callbacks: list[Callback] = [
         StepRecorder(args.out, args.kill_rank, args.kill_step, self_kill=args.strategy == "ddp")
     ]
-    if args.strategy == "torchpass_ddp":
-        import torchpass_plugins  # registers "torchpass_ddp"; a spare blocks in the Trainer until promoted
+    strategy: Any = args.strategy
+    if args.strategy.startswith("torchpass"):
+        import torchpass_plugins  # registers the names; a spare blocks in the Trainer until promoted
 
         callbacks.append(torchpass_plugins.TorchPassCallback())
+        if args.strategy == "torchpass_fsdp":
+            strategy = torchpass_plugins.TorchPassFSDPStrategy(
+                auto_wrap_policy={nn.Linear}, replicate_every_n_steps=args.replicate_every
+            )
     ckpt_path = None
     if args.ckpt_every:
         ckpt_dir = args.out / "ckpt"
@@ -157,7 +163,7 @@ def main(argv: list[str] | None = None) -> None:
                         shuffle=True)
     trainer = L.Trainer(
         accelerator="cpu",
-        strategy=args.strategy,
+        strategy=strategy,
         devices=args.devices,
         max_steps=args.max_steps,
         max_epochs=-1,

@@ -109,7 +109,7 @@ def render(size: Size, results: list[Result], failures: list[str], smoke: bool, 
         f"- Step time: median of rank 0's step-to-step `perf_counter` deltas over steps {size.warmup}.."
         f"{size.steps - 1} (the first {size.warmup} steps are warmup); runs alternate torchpass / plain.",
         "- What differs: both overlap bucketed gradient all-reduces with backward; `torchpass_ddp` keeps its "
-        "buckets fixed, reduces out of place and commits each step through the store (two round trips).",
+        "buckets fixed, reduces out of place and commits each step with a one-element all-reduce (the commit vote).",
         "",
         "| Strategy | Launch | Runs | Median step (ms) | Min-max of run medians (ms) | p10-p90 within runs (ms) |",
         "|---|---|---|---|---|---|",

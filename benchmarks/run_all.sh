@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Runs both benchmarks in turn; each rewrites only its own section of docs/benchmarks.md
+# Runs every benchmark in turn; each rewrites only its own section of docs/benchmarks.md
 # (with --smoke: of benchmarks/out/benchmarks-smoke.md, and tiny sizes).
 # Usage: benchmarks/run_all.sh [--smoke]
 set -euo pipefail
@@ -16,7 +16,7 @@ elif [[ $# -gt 0 ]]; then
 fi
 
 status=0
-for script in regain overhead; do
+for script in regain overhead fsdp_replication; do
   echo "== benchmarks/${script}.py ${mode[*]:-}"
   # SIGTERM on timeout lets the script kill every process it started; SIGKILL 60 s later if it cannot.
   timeout --kill-after=60 "${limit}" python "benchmarks/${script}.py" "${mode[@]}" || status=$?

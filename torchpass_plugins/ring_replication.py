@@ -3,7 +3,8 @@
 With fully sharded training no survivor holds a lost rank's parameters, so they must already be
 elsewhere when it dies. Every ``every`` steps, at a step boundary, each rank packs its shard state (local
 parameter shards and optimizer state) and a background thread sends it to its ring successor over a side
-gloo group while receiving its predecessor's; training goes on meanwhile. A round must be complete
+gloo group while receiving its predecessor's; training goes on meanwhile (the copy is made in that
+thread too). A round must be complete
 before the step's first gradient reduction (:meth:`fence`), so a failure after that point always finds
 the boundary's shards replicated. Each rank keeps its own last two packed snapshots (to roll back in
 memory) and the last two complete replicas it received (double buffering: a round in flight never
@@ -56,16 +57,23 @@ class RingReplicator:
         self._thread, self._error = None, None
 
     def start_round(self, step: int, shard_state: Any, host: Any) -> None:
-        """Pack this rank's shard state of boundary ``step`` and replicate it in the background."""
+        """Copy and replicate this rank's shard state of boundary ``step`` in the background.
+
+        ``shard_state`` may hold the live tensors: they change only at the optimizer step, which comes
+        after the fence, so the background copy is consistent and costs the training thread nothing.
+        """
         self.fence()
-        meta, payload = pack(shard_state)
-        self.own[step] = Packed(meta, payload, host)
-        _trim(self.own)
         self._error = None
         self._thread = threading.Thread(
-            target=self._exchange, args=(step, self.own[step]), name="torchpass-replicate", daemon=True
+            target=self._round, args=(step, shard_state, host), name="torchpass-replicate", daemon=True
         )
         self._thread.start()
+
+    def _round(self, step: int, shard_state: Any, host: Any) -> None:
+        mine = Packed(*pack(shard_state), host)
+        self.own[step] = mine
+        _trim(self.own)
+        self._exchange(step, mine)
 
     def fence(self) -> None:
         """Wait for the round in flight; raises ``PeerFailure`` if it failed."""

@@ -277,6 +277,8 @@ class TorchPassFSDPStrategy(TorchPassDDPStrategy):
                 self.barrier("torchpass.fit_end")
             failure = self._failure()
             if failure is None:
+                self.runtime.events.emit("replica_memory", rank=self.global_rank, bytes=self.replicator.host_bytes(),
+                                         rounds_kept=len(self.replicator.own) + len(self.replicator.replicas))
                 return
             if self._recover(failure) != step:
                 raise Unrecoverable(

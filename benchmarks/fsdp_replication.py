@@ -1,0 +1,167 @@
+"""``torchpass_fsdp``: the price of ring replication, and what a recovery costs.
+
+Overhead: steady-state step time with the shard replicated every step vs replication off, same model,
+same launcher, runs alternating. Recovery: 3 active ranks + 1 spare, rank 1 SIGKILLed at the first
+gradient reduce-scatter of step K (``TORCHPASS_FAULTS``); reported: the recovery time each rank logs
+(new roster -> state restored), regain (the agent sees the exit -> every rank has completed step K),
+bytes moved to the spare (shard from the ring successor, the rest from a survivor), the steps rolled
+back, and the host memory the replicas take per rank.
+
+Run ``python benchmarks/fsdp_replication.py`` (full) or ``--smoke`` (tiny, checks the pipeline only).
+"""
+
+from __future__ import annotations
+
+import itertools
+import statistics
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from _harness import (
+    MLPSize,
+    RunFailed,
+    bench_args,
+    command_line,
+    fresh_work_root,
+    install_cleanup,
+    machine,
+    machine_lines,
+    publish,
+    read_events,
+    read_steps,
+    run_bounded,
+    summarize,
+    tail,
+    torchpass_cmd,
+    worker_env,
+)
+
+RANKS, KILL_RANK = 3, 1
+
+
+@dataclass(frozen=True)
+class Size(MLPSize):
+    steps: int
+    warmup: int
+    kill_step: int
+
+
+FULL = Size(features=1024, hidden=1024, depth=4, classes=10, batch_size=64, steps=50, warmup=10, kill_step=30,
+            reps=3, timeout_s=600)
+SMOKE = Size(features=32, hidden=64, depth=2, classes=4, batch_size=8, steps=12, warmup=4, kill_step=6, reps=1,
+             timeout_s=240)
+
+
+def launch(size: Size, work: Path, every: int, spares: int, faults: str = "") -> Path:
+    out = work / "out"
+    args = ["--strategy", "torchpass_fsdp", "--replicate-every", str(every), "--devices", str(RANKS), "--max-steps",
+            str(size.steps), *size.model_args(), "--out", str(out)]
+    env = worker_env()
+    if faults:
+        env["TORCHPASS_FAULTS"] = faults
+    code = run_bounded(torchpass_cmd(RANKS + spares, spares, work / "run", args), env, size.timeout_s,
+                       work / "launcher.log")
+    if code != 0:
+        raise RunFailed(f"replicate every {every}: launcher exited {code}\n{tail(work / 'launcher.log')}")
+    return out
+
+
+def step_time_ms(size: Size, out: Path) -> float:
+    perf = [p for _, _, p, _ in read_steps(out).get(0, [])]
+    if len(perf) != size.steps:
+        raise RunFailed(f"rank 0 recorded {len(perf)} steps, expected {size.steps}")
+    return statistics.median((b - a) * 1e3 for a, b in itertools.pairwise(perf[size.warmup :]))
+
+
+@dataclass
+class Recovery:
+    recovery_s: float
+    regain_s: float
+    shard_bytes: int
+    host_bytes: int
+    rolled_back: int
+    replica_memory_bytes: int
+
+
+def measure_recovery(size: Size, work: Path) -> Recovery:
+    out = launch(size, work, 1, 1, f"kill@rank={KILL_RANK},step={size.kill_step},phase=reduce")
+    events = read_events(work / "run")
+    [exit_event] = [e for e in events if e["event"] == "worker_exited" and e.get("code") == -9]
+    recovered = [e for e in events if e["event"] == "recovered"]
+    received = [e for e in events if e["event"] == "state_received"]
+    done = [max(t for step, t, _, _ in rows if step == size.kill_step) for rows in read_steps(out).values()]
+    return Recovery(
+        recovery_s=max(e["seconds"] for e in recovered),
+        regain_s=max(done) - exit_event["time"],
+        shard_bytes=sum(e["bytes"] for e in received if e["kind"] == "shard"),
+        host_bytes=sum(e["bytes"] for e in received if e["kind"] == "host"),
+        rolled_back=max(e["steps_rolled_back"] for e in recovered),
+        replica_memory_bytes=max(e["bytes"] for e in events if e["event"] == "replica_memory"),
+    )
+
+
+def render(size: Size, times: dict[int, list[float]], recoveries: list[Recovery], smoke: bool, info: dict) -> str:
+    on, off = statistics.median(times[1]), statistics.median(times[0])
+    pairs = [a / b for a, b in zip(times[1], times[0], strict=False)]
+    lines = ["## `torchpass_fsdp`: replication overhead and recovery (`benchmarks/fsdp_replication.py`)", ""]
+    if smoke:
+        lines += ["> **Smoke run**: tiny model, one repetition; the times are not a measurement.", ""]
+    lines += machine_lines(info, command_line())
+    lines += [
+        f"- Setup: {RANKS} ranks, FSDP2 (each `nn.Linear` one unit) over gloo; MLP {size.features} -> "
+        f"{size.hidden}x{size.depth} -> {size.classes} ({size.params:,} parameters), batch {size.batch_size} per "
+        f"rank, AdamW; step time = median of rank 0's step-to-step deltas after {size.warmup} warmup steps.",
+        "",
+        "| Replication | Runs | Median step (ms) | Min-max of run medians (ms) |",
+        "|---|---|---|---|",
+    ]
+    for every, label in ((1, "every step"), (0, "off")):
+        m, lo, hi = summarize(times[every])
+        lines.append(f"| {label} | {len(times[every])} | {m:.1f} | {lo:.1f}-{hi:.1f} |")
+    spread = f"; per interleaved pair {min(pairs):.3f}-{max(pairs):.3f}" if pairs else ""
+    lines += ["", f"**Step time with replication every step / off: {on / off:.3f}** (medians{spread}).", ""]
+    if recoveries:
+        med = {k: statistics.median(getattr(r, k) for r in recoveries) for k in asdict(recoveries[0])}
+        lines += [
+            f"Recovery ({len(recoveries)} runs, medians; SIGKILL of rank {KILL_RANK} at the first reduce-scatter of "
+            f"step {size.kill_step}, 1 spare, replication every step):",
+            "",
+            "| Recovery (s) | Regain (s) | Shard bytes to the spare | Other state bytes | Steps rolled back | "
+            "Replica host memory per rank (bytes) |",
+            "|---|---|---|---|---|---|",
+            f"| {med['recovery_s']:.2f} | {med['regain_s']:.2f} | {med['shard_bytes']:,.0f} | {med['host_bytes']:,.0f} "
+            f"| {med['rolled_back']:.0f} | {med['replica_memory_bytes']:,.0f} |",
+            "",
+            "Recovery: the longest `recovered` event (new roster -> every rank restored). Regain: from the agent's "
+            "record of the exit until every rank has completed the step in flight. Host memory: two own packed "
+            "snapshots and two replicas of the predecessor's shard (double buffering).",
+        ]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = bench_args(__doc__, argv)
+    install_cleanup()
+    size = SMOKE if args.smoke else FULL
+    reps = args.reps or size.reps
+    info = machine()
+    work_root = fresh_work_root("fsdp", args.smoke)
+    times: dict[int, list[float]] = {1: [], 0: []}
+    recoveries: list[Recovery] = []
+    for rep in range(reps):
+        for every in (1, 0):
+            print(f"[fsdp] rep {rep} replicate every {every} ...", flush=True)
+            times[every].append(step_time_ms(size, launch(size, work_root / f"rep{rep}-every{every}", every, 0)))
+            print(f"[fsdp] rep {rep} every {every}: median step {times[every][-1]:.2f} ms", flush=True)
+        print(f"[fsdp] rep {rep} recovery ...", flush=True)
+        recoveries.append(measure_recovery(size, work_root / f"rep{rep}-recovery"))
+        print(f"[fsdp] rep {rep} recovery: {recoveries[-1]}", flush=True)
+    body = render(size, times, recoveries, args.smoke, info)
+    raw = {"machine": info, "size": asdict(size), "step_ms": times, "recoveries": [asdict(r) for r in recoveries]}
+    publish("fsdp", args.doc, body, work_root, raw)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
