@@ -55,3 +55,19 @@ def test_model_aware_mode_moves_fewer_bytes_to_the_same_result(tmp_path):
     assert results["model_aware"][0] < results["transparent"][0]
     for name, tensor in results["transparent"][1].items():
         assert torch.equal(results["model_aware"][1][name], tensor), name
+
+
+
+def test_a_sharded_checkpoint_restores_every_shard(tmp_path):
+    ckpt, steps = tmp_path / "ckpt", ("--devices", "3", "--max-steps", "7", *FSDP)
+    job, codes = run(tmp_path / "save", nproc=3, spares=0, train_args=(*steps, "--save-checkpoint", str(ckpt)))
+    assert codes == [0], job.output()[-3000:]
+    assert (ckpt / ".metadata").is_file() and (ckpt / "lightning.pt").is_file()  # DCP shards + the rest
+    saved = job.final()
+    # Resuming at the saved step runs no step: what comes out is exactly what was loaded.
+    job, codes = run(tmp_path / "load", nproc=3, spares=0, train_args=(*steps, "--resume", str(ckpt)))
+    assert codes == [0], job.output()[-3000:]
+    loaded = job.final()
+    assert (loaded["global_step"], loaded["adam_steps"]) == (saved["global_step"], saved["adam_steps"])
+    for name, tensor in saved["weights"].items():
+        assert torch.equal(loaded["weights"][name], tensor), name

@@ -48,10 +48,19 @@ class LightningAdapter:
         # ``fit(ckpt_path=None)`` leaves this in place, so Lightning restores model, optimizers,
         # schedulers, callbacks and loops from it exactly as from a checkpoint file.
         self.trainer._checkpoint_connector._loaded_checkpoint = checkpoint
-        fit = checkpoint["loops"]["fit_loop"]
+        self.resume_data_from(checkpoint)
+
+    def resume_data_from(self, checkpoint: dict) -> None:
+        """The train loader will start where ``checkpoint``'s loop progress says (Lightning itself restarts
+        a map-style loader's epoch from its first batch)."""
+        fit = checkpoint.get("loops", {}).get("fit_loop")
+        if fit is None:
+            return
+        batches = fit["epoch_loop.batch_progress"]
+        # A checkpoint written after an epoch's last batch resumes at the start of the next epoch.
         self._resume = (
             fit["epoch_progress"]["current"]["processed"],
-            fit["epoch_loop.batch_progress"]["current"]["ready"],
+            0 if batches["is_last_batch"] else batches["current"]["ready"],
         )
 
     def install_step_boundary(self) -> None:

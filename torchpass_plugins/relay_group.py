@@ -87,6 +87,14 @@ class RelayGroup(dist.ProcessGroup):
         flat = [o for outs in outputs for o in outs]
         return self._run("all_gather", flat, lambda pg: [pg.allgather(outputs, inputs)])
 
+    def gather(self, outputs, inputs, opts=None) -> dist.Work:
+        flat, opts = [o for outs in outputs for o in outs], opts or dist.GatherOptions()
+        return self._run("gather", flat, lambda pg: [pg.gather(outputs, inputs, opts)])
+
+    def scatter(self, outputs, inputs, opts=None) -> dist.Work:
+        opts = opts or dist.ScatterOptions()
+        return self._run("scatter", list(outputs), lambda pg: [pg.scatter(outputs, inputs, opts)])
+
     def broadcast(self, tensors, opts=None) -> dist.Work:
         return self._run("broadcast", [], lambda pg: [pg.broadcast(list(tensors), opts)])
 

@@ -121,6 +121,7 @@ class Runtime:
         self.member = Member(env)
         atexit.register(self.close)
         self.transport = Transport(self.member, timeout)
+        self.side_transports: list[Transport] = []  # other groups of this process (e.g. shard replication)
         self.events = EventLog(None)  # TorchPassCallback attaches the run's log
         self.adapter: Adapter | None = None
         self.is_spare = False
@@ -317,7 +318,7 @@ class Runtime:
     def close(self) -> None:
         """At exit: stop the membership threads. If an operation of a replaced group is still stuck in
         C++, interpreter teardown could crash under it, so such a process leaves through ``os._exit``."""
-        drained = self.transport.drain(timeout=2.0)  # heartbeats go on meanwhile
+        drained = all([t.drain(timeout=2.0) for t in (self.transport, *self.side_transports)])  # heartbeats go on
         self.member.close()
         if not drained:
             sys.stdout.flush()

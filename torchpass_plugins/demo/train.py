@@ -84,6 +84,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--replicate-every", type=int, default=1, help="torchpass_fsdp: ring replica refresh interval")
     p.add_argument("--freeze-first", action="store_true", help="freeze the first layer (a frozen backbone)")
     p.add_argument("--model-aware", action="store_true", help="torchpass_fsdp: move only trainable state")
+    p.add_argument("--save-checkpoint", type=Path, default=None, help="trainer.save_checkpoint(PATH) after fit")
+    p.add_argument("--resume", type=Path, default=None, help="fit(ckpt_path=PATH)")
     args = p.parse_args(argv)
 
     L.seed_everything(7)
@@ -118,7 +120,9 @@ def main(argv: list[str] | None = None) -> None:
         limit_val_batches=None if args.val_every else 0,
         num_sanity_val_steps=0,
     )
-    trainer.fit(model, loader, val)
+    trainer.fit(model, loader, val, ckpt_path=args.resume)
+    if args.save_checkpoint is not None:
+        trainer.save_checkpoint(args.save_checkpoint)
     # Sharded parameters are gathered to full tensors (a collective: every rank takes part).
     state = {k: getattr(v, "full_tensor", lambda v=v: v)().detach().clone() for k, v in model.state_dict().items()}
     if args.out is not None and trainer.global_rank == 0:

@@ -216,6 +216,12 @@ class TorchPassDDPStrategy(ParallelStrategy):
             torch.stack([tensor] * self.world_size),
         )
 
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        checkpoint = super().load_checkpoint(checkpoint_path, weights_only)
+        self.adapter.resume_data_from(checkpoint)
+        return checkpoint
+
     # -- data -----------------------------------------------------------------------------------------
     @override
     def process_dataloader(self, dataloader: object) -> object:

@@ -17,14 +17,17 @@ import pickle
 import time
 from collections.abc import Callable
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, Optional, Union
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.strategies.strategy import TBroadcast
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor, nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.optim import Optimizer
@@ -41,6 +44,7 @@ from torchpass_plugins.strategies.ddp import _REDUCE_OPS, TorchPassDDPStrategy
 from torchpass_plugins.transport import PeerFailure, Transport
 
 WrapPolicy = Union[set[type[nn.Module]], int, None]
+_CHECKPOINT_META = "lightning.pt"  # beside the DCP shards: everything but model and optimizer tensors
 StateFilter = Callable[[str, nn.Parameter], bool]
 
 
@@ -102,6 +106,7 @@ class TorchPassFSDPStrategy(TorchPassDDPStrategy):
         if offload_policy is not None:
             self._shard_kwargs["offload_policy"] = offload_policy
         self.replicator = RingReplicator(Transport(self.runtime.member, self._timeout, "repl"), replicate_every_n_steps)
+        self.runtime.side_transports.append(self.replicator.side)
         self.relay: RelayGroup | None = None
         self._fetcher: ReplayFetcher | None = None
         self._incoming: dict | None = None  # a spare's shard, applied when Lightning restores the model
@@ -109,6 +114,7 @@ class TorchPassFSDPStrategy(TorchPassDDPStrategy):
         self._rewound = False
         self._fenced = True
         self._entering = False  # a spare until its first step: the survivors make no collective meanwhile
+        self._loaded_sharded = False  # a DCP checkpoint was loaded into the shards
 
     @property
     @override
@@ -183,13 +189,43 @@ class TorchPassFSDPStrategy(TorchPassDDPStrategy):
         return {} if self._handing_over else super().optimizer_state(optimizer)
 
     @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
+        """A directory: every rank writes its shards through torch DCP, rank 0 the rest of the checkpoint."""
+        if storage_options is not None:
+            raise TypeError("torchpass_fsdp writes sharded checkpoints with torch DCP: storage_options are unused")
+        path = Path(filepath)
+        model, optimizers = get_state_dict(self.lightning_module, self.optimizers)
+        dcp.save({"model": model, "optimizers": optimizers}, checkpoint_id=path)
+        if self.is_global_zero:
+            rest = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
+            torch.save(rest, path / _CHECKPOINT_META)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        path = Path(checkpoint_path)
+        if not (path / _CHECKPOINT_META).is_file():
+            return super().load_checkpoint(checkpoint_path, weights_only)  # a single file, as Lightning writes
+        model, optimizers = get_state_dict(self.lightning_module, self.optimizers)
+        dcp.load({"model": model, "optimizers": optimizers}, checkpoint_id=path)
+        set_state_dict(self.lightning_module, self.optimizers, model_state_dict=model, optim_state_dict=optimizers)
+        self._loaded_sharded = True
+        checkpoint = torch.load(path / _CHECKPOINT_META, weights_only=False)
+        checkpoint.update(state_dict={}, optimizer_states=[])
+        self.adapter.resume_data_from(checkpoint)
+        return checkpoint
+
+    @override
     def load_model_state_dict(self, checkpoint: dict[str, Any], strict: bool = True) -> None:
+        if self._loaded_sharded:
+            return  # load_checkpoint has put the shards in place
         if self._incoming is None:
             return super().load_model_state_dict(checkpoint, strict)
         shard_state.restore(self.lightning_module, None, {"params": self._incoming["params"], "optim": {}})
 
     @override
     def load_optimizer_state_dict(self, checkpoint: dict[str, Any]) -> None:
+        if self._loaded_sharded:
+            return
         if self._incoming is None:
             return super().load_optimizer_state_dict(checkpoint)
         incoming, self._incoming = self._incoming, None
