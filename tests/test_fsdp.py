@@ -35,12 +35,14 @@ def test_replicating_every_4_steps_rolls_back_in_memory_and_replays(tmp_path, re
 
 
 def test_a_rank_lost_with_its_replica_holder_stops_the_job_clearly(tmp_path):
+    # Rank 2 dies after rank 1's replacement was published: the recovery itself meets a second failure.
     job, codes = run(tmp_path, nproc=5, spares=2, train_args=TRAIN, launch_args=("--no-refill",),
-                     faults="kill@rank=1,step=4,phase=reduce;kill@rank=2,step=4,phase=reduce")
+                     faults="kill@rank=1,step=4,phase=reduce;kill@rank=2,step=4,phase=commit")
     assert codes == [1]
     out = job.output()
     assert out.count("logical rank 1 and its replica holder, rank 2, were lost together") == 1, out[-3000:]
     assert "Resume the job from its newest snapshot" in out and "Traceback" not in out
+    assert len(job.events("roster_published")) == 3  # start, rank 1 replaced, rank 2 replaced
     assert job.leftovers() == []
 
 

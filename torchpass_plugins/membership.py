@@ -185,8 +185,8 @@ class Member:
         self._client = connect_store(self.env.store)
         self.store = prefixed(self._client)
 
-    def _thread_store(self) -> dist.Store:
-        """Each thread gets its own connection: one socket is not shared between threads."""
+    def thread_store(self) -> dist.Store:
+        """A connection of its own, for a thread: one client serves one blocking operation at a time."""
         return prefixed(self._client.clone())
 
     def join(self) -> None:
@@ -214,7 +214,7 @@ class Member:
 
     def _watch(self) -> None:
         """Blocks in the store (no polling) until the coordinator flags the next roster for this worker."""
-        store = self._thread_store()
+        store = self.thread_store()
         while True:
             key = watch_key(self.env.worker_id, self.latest_gen + 1)
             try:
@@ -227,7 +227,7 @@ class Member:
             self.changed.set()
 
     def _beat(self) -> None:
-        store = self._thread_store()
+        store = self.thread_store()
         key = heartbeat_key(self.env.worker_id)
         while not self._stop.wait(self.env.heartbeat_interval):
             store.add(key, 1)

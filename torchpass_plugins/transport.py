@@ -45,7 +45,9 @@ class Transport:
 
     def connect(self, gen: int, rank: int) -> None:
         """Join the group of generation ``gen``; raises ``PeerFailure`` if an even newer one appears."""
-        store = dist.PrefixStore(f"{self.name}/{gen}", self.member.store)
+        # Its own connection: a rendezvous abandoned for a newer roster may block in the store for long,
+        # and a store client serves one blocking operation at a time.
+        store = dist.PrefixStore(f"{self.name}/{gen}", self.member.thread_store())
         result: Future = Future()
 
         def build() -> None:
