@@ -47,7 +47,7 @@ def test_a_rank_lost_with_its_replica_holder_stops_the_job_clearly(tmp_path):
 
 
 def test_model_aware_mode_moves_fewer_bytes_to_the_same_result(tmp_path):
-    frozen = (*TRAIN, "--freeze-first")
+    frozen = ("--devices", "3", "--max-steps", "8", *FSDP, "--freeze-first")
     results = {}
     for mode, extra in (("transparent", ()), ("model_aware", ("--model-aware",))):
         job, codes = run(tmp_path / mode, train_args=(*frozen, *extra), faults="kill@rank=1,step=5,phase=reduce")
