@@ -63,6 +63,7 @@ class GradientBuckets:
         if transport.pg is not None and not transport.stale():
             try:
                 work = transport.pg.allreduce([self._buffers[b]])
+                transport.track(work)
             except RuntimeError:
                 pass  # a broken group: reported when the bucket is waited for
         self._works.append((transport.gen, work))

@@ -38,7 +38,7 @@ class Transport:
         self.gen = -1
         self.rank = -1
         self.world_size = member.env.world_size
-        self._escaped: list = []  # futures of operations left behind in replaced groups
+        self._escaped: list = []  # futures of operations that may still be pending (see _retire)
 
     def stale(self) -> bool:
         return self.member.latest_gen > self.gen
@@ -61,10 +61,16 @@ class Transport:
         threading.Thread(target=build, name=f"torchpass-connect-{self.name}-{gen}", daemon=True).start()
         self.pg = self._wait_future(result, f"connect generation {gen}")
 
+    def track(self, work: dist.Work) -> None:
+        """An operation issued but waited for elsewhere (or never, if a recovery comes first)."""
+        self._escaped = [f for f in self._escaped if not f.done()]
+        self._escaped.append(work.get_future())
+
     def _retire(self, pg: dist.ProcessGroup | None) -> None:
-        """Drop a replaced group. If one of its operations is still pending, its destructor would join
-        a thread stuck with a dead peer, so the group is kept alive for good instead; closing the groups
-        of the other survivors is what makes such an operation fail and its thread end."""
+        """Drop a replaced group. If one of its operations is still pending (escaped from a wait, or
+        issued and never waited for), its destructor would join a thread stuck with a dead peer, so the
+        group is kept alive for good instead; closing the groups of the other survivors is what makes
+        such an operation fail and its thread end."""
         self._escaped = [f for f in self._escaped if not f.done()]
         if pg is not None and self._escaped:
             ctypes.pythonapi.Py_IncRef(ctypes.py_object(pg))
