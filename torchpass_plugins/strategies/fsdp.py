@@ -266,12 +266,20 @@ class TorchPassFSDPStrategy(TorchPassDDPStrategy):
         self._raise_if_failed()
         self._fetcher.tag = step
         self._fenced = False
-        if self.replicator.due(step):
-            try:
-                self.replicator.start_round(step, self._capture(), self._host_now())
-            except PeerFailure as exc:
-                self.relay.poisoned = str(exc)
+        self._replicate(step, wait=False)
         self._fetcher.forget_before(min(self.replicator.own, default=step))
+
+    def _replicate(self, step: int, wait: bool) -> None:
+        """Start the replication round of boundary ``step`` if one is due (and wait for it); a failure
+        poisons the relay like any failed collective."""
+        if not self.replicator.due(step):
+            return
+        try:
+            self.replicator.start_round(step, self._capture(), self._host_now())
+            if wait:
+                self.replicator.fence()
+        except PeerFailure as exc:
+            self.relay.poisoned = str(exc)
 
     def _before_reduce(self) -> None:
         """Before the step's first gradient reduction: its replication round must be complete."""
@@ -304,12 +312,7 @@ class TorchPassFSDPStrategy(TorchPassDDPStrategy):
         while True:
             if self._failure() is None:
                 self.runtime.boundary(step)
-                if self.replicator.due(step):
-                    try:
-                        self.replicator.start_round(step, self._capture(), self._host_now())
-                        self.replicator.fence()
-                    except PeerFailure as exc:
-                        self.relay.poisoned = str(exc)
+                self._replicate(step, wait=True)
                 self.barrier("torchpass.fit_end")
             failure = self._failure()
             if failure is None:
