@@ -14,8 +14,7 @@ from torchpass_plugins.events import EventLog, read_events
 from torchpass_plugins.launcher.coordinator import DONE_KEY, Coordinator
 from torchpass_plugins.membership import (
     ABORT_KEY,
-    EXIT_QUEUE,
-    JOIN_QUEUE,
+    INBOX,
     Member,
     Roster,
     WorkerEnv,
@@ -36,11 +35,11 @@ def store():
 
 def _join(store, worker: str, token: str = "tok") -> None:
     store.set(f"join/{worker}", token)
-    store.queue_push(JOIN_QUEUE, worker)
+    store.queue_push(INBOX, json.dumps({"join": worker}))
 
 
 def _exit(store, worker: str, code: int) -> None:
-    store.queue_push(EXIT_QUEUE, json.dumps({"worker": worker, "code": code, "why": f"code {code}"}))
+    store.queue_push(INBOX, json.dumps({"exit": worker, "code": code, "why": f"code {code}"}))
 
 
 def _assignment(store, worker: str) -> dict:

@@ -64,8 +64,7 @@ def watch_key(worker_id: str, gen: int) -> str:
 
 
 LEAVING = 1 << 40  # added to a heartbeat counter by a worker on its way out: no hang check from then on
-EXIT_QUEUE = "exits"
-JOIN_QUEUE = "joins"
+INBOX = "inbox"  # the coordinator's one input queue: JSON messages {"join": w} / {"exit": w, ...} / {"stop": 1}
 ABORT_KEY = "abort"
 
 
@@ -192,7 +191,7 @@ class Member:
     def join(self) -> None:
         _die_with_agent()
         self.store.set(f"join/{self.env.worker_id}", self.env.token)
-        self.store.queue_push(JOIN_QUEUE, self.env.worker_id)
+        self.store.queue_push(INBOX, json.dumps({"join": self.env.worker_id}))
         self.store.add(heartbeat_key(self.env.worker_id), 1)  # from now on the agent's hang check applies
         self._start(self._beat, "torchpass-heartbeat")
 

@@ -28,4 +28,8 @@ def reseed(seed: int, rank: int, step: int) -> None:
     s = step_seed(seed, rank, step)
     random.seed(s)
     np.random.seed(s & 0xFFFFFFFF)
-    torch.manual_seed(s)  # also seeds every CUDA device
+    # Not ``torch.manual_seed``: with CUDA not yet initialized, it queues a lazy CUDA seeding call with a
+    # captured stack trace, every step (milliseconds per step, and a list that grows for the whole run).
+    torch.default_generator.manual_seed(s)
+    if torch.cuda.is_initialized():
+        torch.cuda.manual_seed_all(s)

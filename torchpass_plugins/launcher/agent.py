@@ -26,7 +26,7 @@ from torchpass_plugins.launcher.coordinator import DONE_KEY, Coordinator
 from torchpass_plugins.membership import (
     ABORT_KEY,
     CONFIG_ERROR_EXIT,
-    EXIT_QUEUE,
+    INBOX,
     LEAVING,
     UNRECOVERABLE_EXIT,
     WorkerEnv,
@@ -107,7 +107,6 @@ class Agent:
         self.seed = config.seed if config.seed is not None else token_seed
         self.events = EventLog(Path(config.run_dir) / "events.jsonl", source=f"agent{config.node_rank}")
         self.slots = [_Slot(i) for i in range(config.nproc_per_node)]
-        self._stop = threading.Event()
         self._signal: int | None = None
 
     def run(self) -> int:
@@ -120,7 +119,7 @@ class Agent:
         if master:
             self.coordinator = Coordinator(prefixed(self._client.clone()), self.token, cfg.processes,
                                            cfg.world_size, self.events)
-            coordinator_thread = threading.Thread(target=self.coordinator.run, args=(self._stop,), daemon=True)
+            coordinator_thread = threading.Thread(target=self.coordinator.run, daemon=True)
             coordinator_thread.start()
         self._install_signals()
         if "OMP_NUM_THREADS" not in os.environ and cfg.nproc_per_node > 1:
@@ -138,8 +137,8 @@ class Agent:
             self.store.add(_AGENTS_DONE, 1)
             if master:
                 self._wait_other_agents()
-            self._stop.set()
             if coordinator_thread:
+                self.store.queue_push(INBOX, json.dumps({"stop": 1}))
                 coordinator_thread.join(timeout=5)
         return code
 
@@ -221,7 +220,7 @@ class Agent:
     def _report_exit(self, slot: _Slot, code: int) -> None:
         why = f"signal {-code}" if code < 0 else f"exit code {code}"
         self.events.emit("worker_exited", worker=slot.worker_id, code=code, why=why)
-        self.store.queue_push(EXIT_QUEUE, json.dumps({"worker": slot.worker_id, "code": code, "why": why}))
+        self.store.queue_push(INBOX, json.dumps({"exit": slot.worker_id, "code": code, "why": why}))
 
     def _kill_all(self) -> None:
         procs = [s.proc for s in self.slots if s.proc is not None and s.proc.poll() is None]

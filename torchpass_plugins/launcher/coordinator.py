@@ -1,16 +1,17 @@
 """The coordinator: decides rosters. It runs as a thread of node 0's agent, never in a training worker.
 
-Inputs arrive through two store queues: workers announce themselves on ``joins``; agents report every
-worker exit on ``exits`` (at once, faster than any heartbeat). Outputs are rosters (``roster/{gen}``) and
+Inputs arrive on one store queue, the inbox: workers announce themselves (``join``); agents report every
+worker exit (``exit``, at once, faster than any heartbeat). The coordinator blocks on the inbox, so an
+idle job costs it nothing: no polling next to the training processes. Outputs are rosters (``roster/{gen}``) and
 assignments (``assign/{worker}``). One failure costs O(world size) small keys.
 """
 
 from __future__ import annotations
 
 import json
-import threading
 from collections import deque
 from dataclasses import dataclass, field
+from datetime import timedelta
 
 import torch.distributed as dist
 
@@ -18,8 +19,7 @@ from torchpass_plugins.events import EventLog
 from torchpass_plugins.membership import (
     ABORT_KEY,
     CONFIG_ERROR_EXIT,
-    EXIT_QUEUE,
-    JOIN_QUEUE,
+    INBOX,
     UNRECOVERABLE_EXIT,
     Roster,
     abort_request_key,
@@ -29,6 +29,7 @@ from torchpass_plugins.membership import (
 )
 
 DONE_KEY = "done"
+_FOREVER = timedelta(days=365)  # the inbox wait has no deadline: the agent ends it with a stop message
 
 
 def slot_order(worker_id: str) -> tuple[int, int, int]:
@@ -52,23 +53,36 @@ class Coordinator:
     ranks_before: list[str] | None = None  # the last published roster's workers
     _waiting: list[str] = field(default_factory=list)
 
-    def run(self, stop: threading.Event, tick: float = 0.02) -> None:
-        while not stop.wait(tick):
-            self.poll()
+    def run(self) -> None:
+        """Handle messages as they arrive, until a ``stop`` message (pushed by the hosting agent)."""
+        self.store.set_timeout(_FOREVER)
+        while True:
+            first = self.store.queue_pop(INBOX, block=True)
+            if not self.handle([first, *self._drain()]):
+                return
 
     def poll(self) -> None:
-        for worker_id in self._drain(JOIN_QUEUE):
-            self._on_join(worker_id)
+        """Handle the messages waiting now (tests drive the coordinator this way)."""
+        self.handle(self._drain())
+
+    def handle(self, raw: list[bytes]) -> bool:
+        """Joins first, then exits; the ranks lost in one batch are replaced by one roster. False on ``stop``."""
+        messages = [json.loads(m) for m in raw]
+        for m in messages:
+            if "join" in m:
+                self._on_join(m["join"])
         lost: list[int] = []
-        for report in map(json.loads, self._drain(EXIT_QUEUE)):
-            self._on_exit(report["worker"], report["code"], report.get("why", ""), lost)
+        for m in messages:
+            if "exit" in m:
+                self._on_exit(m["exit"], m["code"], m.get("why", ""), lost)
         if lost and self.outcome is None:
             self._replace(lost)
+        return not any("stop" in m for m in messages)
 
-    def _drain(self, queue: str) -> list[str]:
+    def _drain(self) -> list[bytes]:
         items = []
-        while self.store.queue_len(queue) > 0:
-            items.append(self.store.queue_pop(queue, block=False).decode())
+        while self.store.queue_len(INBOX) > 0:
+            items.append(self.store.queue_pop(INBOX, block=False))
         return items
 
     def _on_join(self, worker_id: str) -> None:
