@@ -19,6 +19,7 @@ from typing import Any
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.plugins.io import AsyncCheckpointIO
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -107,6 +108,24 @@ class StepRecorder(Callback):
             self._file.close()
 
 
+class SaveTimer(Callback):
+    """Calls ``trainer.save_checkpoint`` at the boundary of every ``every``-th step and records how long the
+    loop was held: the synchronous baseline (or, with ``AsyncCheckpointIO``, that plugin's stall)."""
+
+    def __init__(self, out: Path, every: int) -> None:
+        self.out, self.every = out, every
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        step = trainer.global_step
+        if step and step % self.every == 0 and (trainer.fit_loop.epoch_loop.batch_progress.current.ready - 1) % (
+                trainer.accumulate_grad_batches) == 0:
+            t0 = time.perf_counter()
+            trainer.save_checkpoint(self.out / "saves" / f"step-{step}.ckpt")
+            with open(self.out / f"saves_rank{trainer.global_rank}.txt", "a") as f:
+                f.write(f"{step} {time.perf_counter() - t0:.6f}\n")
+
+
 def _claim(marker: Path) -> bool:
     try:
         os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
@@ -130,6 +149,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seed", type=int, default=7)
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--ckpt-every", type=int, default=0, help="ModelCheckpoint every N steps + last.ckpt (0: off)")
+    p.add_argument("--snapshot-dir", default=None, help="torchpass: background snapshots to this URL")
+    p.add_argument("--save-every", type=int, default=0, help="trainer.save_checkpoint every N steps (0: off)")
+    p.add_argument("--async-io", action="store_true", help="with --save-every: Lightning's AsyncCheckpointIO")
     p.add_argument("--kill-rank", type=int, default=-1)
     p.add_argument("--kill-step", type=int, default=-1)
     args = p.parse_args(argv)
@@ -142,11 +164,17 @@ def main(argv: list[str] | None = None) -> None:
     if args.strategy.startswith("torchpass"):
         import torchpass_plugins  # registers the names; a spare blocks in the Trainer until promoted
 
-        callbacks.append(torchpass_plugins.TorchPassCallback())
+        callbacks.append(torchpass_plugins.TorchPassCallback(
+            snapshot_dir=args.snapshot_dir, snapshot_every_n_steps=args.save_every if args.snapshot_dir else 0))
         if args.strategy == "torchpass_fsdp":
             strategy = torchpass_plugins.TorchPassFSDPStrategy(
                 auto_wrap_policy={nn.Linear}, replicate_every_n_steps=args.replicate_every
             )
+    plugins: list[Any] = []
+    if args.save_every and not args.snapshot_dir:
+        callbacks.append(SaveTimer(args.out, args.save_every))
+        if args.async_io:
+            plugins.append(AsyncCheckpointIO())
     ckpt_path = None
     if args.ckpt_every:
         ckpt_dir = args.out / "ckpt"
@@ -169,6 +197,7 @@ def main(argv: list[str] | None = None) -> None:
         max_epochs=-1,
         accumulate_grad_batches=args.accumulate,
         callbacks=callbacks,
+        plugins=plugins,
         enable_checkpointing=bool(args.ckpt_every),
         logger=False,
         enable_progress_bar=False,

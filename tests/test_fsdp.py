@@ -36,7 +36,7 @@ def test_replicating_every_4_steps_rolls_back_in_memory_and_replays(tmp_path, re
 
 def test_a_rank_lost_with_its_replica_holder_stops_the_job_clearly(tmp_path):
     # Rank 2 dies after rank 1's replacement was published: the recovery itself meets a second failure.
-    job, codes = run(tmp_path, nproc=5, spares=2, train_args=TRAIN, launch_args=("--no-refill",),
+    job, codes = run(tmp_path, nproc=5, spares=2, train_args=TRAIN, launch_args=("--no-refill", "--max-restarts", "0"),
                      faults="kill@rank=1,step=4,phase=reduce;kill@rank=2,step=4,phase=commit")
     assert codes == [1]
     out = job.output()

@@ -106,7 +106,7 @@ def test_two_nodes_survive_a_loss_on_either_node(tmp_path, reference):
 
 
 def test_more_failures_than_spares_stop_the_job_clearly(tmp_path):
-    job, codes = run(tmp_path, train_args=TRAIN, launch_args=("--no-refill",),
+    job, codes = run(tmp_path, train_args=TRAIN, launch_args=("--no-refill", "--max-restarts", "0"),
                      faults="kill@rank=1,step=3,phase=boundary;kill@rank=2,step=8,phase=boundary")
     assert codes == [1]
     assert job.output().count("torchpass: job aborted: 2 worker(s) lost") + job.output().count(

@@ -1,26 +1,145 @@
-"""``TorchPassCallback``: optional; attaches the run's event log to this worker's recoveries."""
+"""``TorchPassCallback``: the event log of recoveries, and background snapshots as the fallback of last resort."""
 
 from __future__ import annotations
 
 import os
+import sys
+import time
 from pathlib import Path
+from typing import Any
 
+import torch
 from lightning.pytorch.callbacks import Callback
+from typing_extensions import override
 
 from torchpass_plugins.events import EventLog
+from torchpass_plugins.membership import ConfigError
+from torchpass_plugins.snapshot_store import SnapshotStore
+from torchpass_plugins.snapshot_writer import AsyncSnapshotWriter, SnapshotPlan, WhenBusy
+
+_LAND_ON_ABORT_S = 60.0  # how long a worker leaving an aborted job waits for its snapshot in flight
 
 
 class TorchPassCallback(Callback):
-    """Writes the worker side of ``RUN_DIR/events.jsonl`` (recoveries, state moved, steps retried).
+    """Writes the worker side of ``RUN_DIR/events.jsonl`` and, with ``snapshot_dir``, job-wide snapshots.
 
-    The strategy works without it; with it, every phase of a recovery is logged with its duration.
+    The strategy works without it; with it, every phase of a recovery is logged with its duration. With
+    ``snapshot_dir`` (any fsspec URL) a snapshot of the full training state is written in the background
+    every ``snapshot_every_n_steps`` optimizer steps, the newest ``snapshot_keep`` are kept, and ``fit``
+    resumes from the newest committed one automatically (unless ``ckpt_path`` is given). When a snapshot is
+    due while the previous one is still being written, ``snapshot_when_busy`` says whether to skip it or
+    to wait for the previous one.
     """
 
-    def __init__(self, run_dir: str | os.PathLike | None = None) -> None:
+    def __init__(
+        self,
+        run_dir: str | os.PathLike | None = None,
+        snapshot_dir: str | None = None,
+        snapshot_every_n_steps: int = 0,
+        snapshot_keep: int = 3,
+        snapshot_when_busy: WhenBusy = "skip",
+        snapshot_storage_options: dict[str, Any] | None = None,
+    ) -> None:
+        if snapshot_every_n_steps < 0 or snapshot_keep < 1:
+            raise ConfigError(
+                f"torchpass: snapshot_every_n_steps={snapshot_every_n_steps} must be >= 0 and "
+                f"snapshot_keep={snapshot_keep} >= 1"
+            )
+        if snapshot_every_n_steps and not snapshot_dir:
+            raise ConfigError("torchpass: snapshot_every_n_steps needs snapshot_dir (a path or fsspec URL)")
+        if snapshot_when_busy not in ("skip", "wait"):
+            raise ConfigError(f"torchpass: snapshot_when_busy must be 'skip' or 'wait', not {snapshot_when_busy!r}")
         self.run_dir = run_dir
+        self.snapshot_dir = snapshot_dir
+        self.snapshot_every_n_steps = snapshot_every_n_steps
+        self.snapshot_keep = snapshot_keep
+        self.snapshot_when_busy = snapshot_when_busy
+        self.snapshot_storage_options = snapshot_storage_options
+        self.runtime = None
+        self.writer: AsyncSnapshotWriter | None = None
+        self._last_snapshot = 0  # step of the newest snapshot started or resumed from
+        self._stall: float | None = None  # loop time the snapshot being staged cost so far
 
     def attach(self, runtime) -> None:
         """Called by the torchpass strategy as it sets up, before any recovery can happen."""
         run_dir = Path(self.run_dir or runtime.env.run_dir)
         runtime.events = EventLog(run_dir / "events.jsonl", source=f"rank{runtime.rank}")
         runtime.events.emit("worker_ready", worker=runtime.env.worker_id, rank=runtime.rank, spare=runtime.is_spare)
+        self.runtime = runtime
+
+    # -- resume ---------------------------------------------------------------------------------------------
+    @override
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        if stage != "fit" or not self.snapshot_dir:
+            return
+        strategy = trainer.strategy
+        if self.runtime is None or getattr(strategy, "strategy_name", "") != "torchpass_ddp":
+            raise ConfigError(
+                "torchpass: snapshots need strategy='torchpass_ddp' under `torchpass launch` "
+                f"(got {type(strategy).__name__}); torchpass_fsdp's sharded snapshots are not available yet"
+            )
+        store = SnapshotStore(self.snapshot_dir, self.snapshot_storage_options)
+        if not trainer._checkpoint_connector._loaded_checkpoint and trainer.ckpt_path is None:
+            self._resume(trainer, store)
+        plan = SnapshotPlan(store, strategy.global_rank, strategy.world_size, writers=[0], seed=self.runtime.seed,
+                            keep=self.snapshot_keep, when_busy=self.snapshot_when_busy)
+        self.writer = AsyncSnapshotWriter(plan, self.runtime.events)
+        self.runtime.abort_hooks.append(lambda: self.writer.close(timeout=_LAND_ON_ABORT_S))
+
+    def _resume(self, trainer, store: SnapshotStore) -> None:
+        """All ranks resume from the snapshot rank 0 found newest and intact (rank 0's verdict is shared)."""
+        strategy, events = trainer.strategy, self.runtime.events
+        found = store.load_newest(0) if strategy.global_rank == 0 else None
+        step = strategy.broadcast(found[0].step if found else -1, 0)
+        if step < 0:
+            return
+        if found is None:
+            manifest = store.manifest(step)
+            state, refused = store.load_rank(manifest, 0), []
+        else:
+            manifest, state, refused = found
+        trainer._checkpoint_connector._loaded_checkpoint = state
+        strategy.adapter.resume_data_from(state)
+        self.runtime.seed_override = manifest.seed
+        self._last_snapshot = step
+        reached = self.runtime.member.reached_before_restart()
+        lost = None if reached is None else max(0, reached - step)
+        events.emit("snapshot_resumed", rank=strategy.global_rank, step=step, url=store.url, refused=refused,
+                    torn=store.torn(), steps_lost=lost)
+        if strategy.global_rank == 0:
+            print(f"torchpass: resuming from the snapshot of step {step} in {store.url}"
+                  + (f"; the aborted attempt had reached step {reached}: {lost} step(s) lost" if lost is not None
+                     else "")
+                  + (f" ({len(refused)} newer one(s) refused as corrupted)" if refused else ""),
+                  file=sys.stderr, flush=True)
+
+    # -- snapshots --------------------------------------------------------------------------------------------
+    @override
+    def on_train_batch_start(self, trainer, pl_module, batch: Any, batch_idx: int) -> None:
+        every, step = self.snapshot_every_n_steps, trainer.global_step
+        if self.writer is None or not every or step % every or step <= self._last_snapshot:
+            return
+        if (trainer.fit_loop.epoch_loop.batch_progress.current.ready - 1) % trainer.accumulate_grad_batches:
+            return  # not the step's first micro-batch
+        self._last_snapshot = step
+        strategy = trainer.strategy
+        state = strategy.adapter.boundary_state(self.runtime.boundary_record)
+        stable = {p.data_ptr() for p in pl_module.parameters()}
+        stable |= {t.data_ptr() for opt in trainer.optimizers for per_param in opt.state.values()
+                   for t in per_param.values() if isinstance(t, torch.Tensor)}
+        t0 = time.perf_counter()
+        if self.writer.start(step, state, stable):
+            self._stall = time.perf_counter() - t0
+
+    @override
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        if self.writer is None or self._stall is None:
+            return
+        stall, self._stall = self._stall + self.writer.fence(), None
+        self.runtime.events.emit("snapshot_staged", rank=trainer.global_rank, step=trainer.global_step,
+                                 stall_s=stall)
+
+    @override
+    def on_train_end(self, trainer, pl_module) -> None:
+        if self.writer is not None:
+            self.writer.close()

@@ -20,6 +20,9 @@ def _launch_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--heartbeat-timeout", type=float, default=30.0, help="seconds without a beat before SIGKILL")
     p.add_argument("--heartbeat-interval", type=float, default=0.5)
     p.add_argument("--no-refill", dest="refill", action="store_false", help="do not restart failed slots as spares")
+    p.add_argument("--max-restarts", type=int, default=3,
+                   help="restarts of the whole job when a failure no spare can fix happens (it resumes from its "
+                        "newest snapshot); 0: stop instead")
     p.add_argument("--seed", type=int, default=None, help="job seed for per-step RNG (default: from PL_GLOBAL_SEED)")
     p.add_argument("script", help="training script (or -m module)")
     p.add_argument("args", nargs=argparse.REMAINDER)
@@ -42,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
         command=command, nproc_per_node=ns.nproc_per_node, nnodes=ns.nnodes, node_rank=ns.node_rank,
         rdzv_endpoint=ns.rdzv_endpoint, spares=ns.spares, run_dir=ns.run_dir,
         heartbeat_timeout=ns.heartbeat_timeout, heartbeat_interval=ns.heartbeat_interval, refill=ns.refill,
-        token=os.environ.get("TORCHPASS_JOIN_TOKEN", ""), seed=ns.seed,
+        token=os.environ.get("TORCHPASS_JOIN_TOKEN", ""), seed=ns.seed, max_restarts=ns.max_restarts,
     )
     try:
         config.validate()

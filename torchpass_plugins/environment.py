@@ -66,6 +66,8 @@ def _exit_job_on_config_error() -> None:
     previous = sys.excepthook
 
     def hook(exc_type, exc, tb) -> None:
+        if issubclass(exc_type, JobAborted) and _RUNTIME is not None:
+            _RUNTIME.before_abort_exit()
         if issubclass(exc_type, Unrecoverable) and _RUNTIME is not None:
             _RUNTIME.member.store.set(abort_request_key(_RUNTIME.env.worker_id), str(exc))
             os._exit(UNRECOVERABLE_EXIT)

@@ -66,6 +66,12 @@ def watch_key(worker_id: str, gen: int) -> str:
 LEAVING = 1 << 40  # added to a heartbeat counter by a worker on its way out: no hang check from then on
 INBOX = "inbox"  # the coordinator's one input queue: JSON messages {"join": w} / {"exit": w, ...} / {"stop": 1}
 ABORT_KEY = "abort"
+RESTART_KEY = "restart"  # set instead of ABORT_KEY when the agents are to restart every worker
+
+
+def reached_key(rank: int) -> str:
+    """Optimizer steps a logical rank had applied when its attempt was aborted."""
+    return f"reached/{rank}"
 
 
 @dataclass(frozen=True)
@@ -98,8 +104,9 @@ def connect_store(endpoint: str, is_master: bool = False, timeout: float = 600.0
     )
 
 
-def prefixed(store: dist.Store) -> dist.Store:
-    return dist.PrefixStore(PREFIX, store)
+def prefixed(store: dist.Store, attempt: int = 0) -> dist.Store:
+    """The keys of one attempt of the job: a restart after an abort starts over under fresh keys."""
+    return dist.PrefixStore(f"{PREFIX}/a{attempt}", store)
 
 
 def wait_key(store: dist.Store, key: str, stop: threading.Event | None = None, poll: float = _POLL_S) -> bytes:
@@ -127,6 +134,7 @@ class WorkerEnv:
     run_dir: str
     seed: int
     heartbeat_interval: float
+    attempt: int = 0  # restarts of the whole job so far
 
     @classmethod
     def from_env(cls) -> WorkerEnv | None:
@@ -143,6 +151,7 @@ class WorkerEnv:
             run_dir=e["TORCHPASS_RUN_DIR"],
             seed=int(e["TORCHPASS_SEED"]),
             heartbeat_interval=float(e["TORCHPASS_HEARTBEAT_INTERVAL"]),
+            attempt=int(e.get("TORCHPASS_ATTEMPT", "0")),
         )
 
     def to_env(self) -> dict[str, str]:
@@ -156,6 +165,7 @@ class WorkerEnv:
             "TORCHPASS_RUN_DIR": self.run_dir,
             "TORCHPASS_SEED": str(self.seed),
             "TORCHPASS_HEARTBEAT_INTERVAL": str(self.heartbeat_interval),
+            "TORCHPASS_ATTEMPT": str(self.attempt),
         }
 
 
@@ -182,11 +192,20 @@ class Member:
 
     def __post_init__(self) -> None:
         self._client = connect_store(self.env.store)
-        self.store = prefixed(self._client)
+        self.store = prefixed(self._client, self.env.attempt)
 
     def thread_store(self) -> dist.Store:
         """A connection of its own, for a thread: one client serves one blocking operation at a time."""
-        return prefixed(self._client.clone())
+        return prefixed(self._client.clone(), self.env.attempt)
+
+    def reached_before_restart(self) -> int | None:
+        """The most optimizer steps any rank had applied when the previous attempt was aborted."""
+        if self.env.attempt == 0:
+            return None
+        previous = prefixed(self._client, self.env.attempt - 1)
+        keys = [reached_key(r) for r in range(self.env.world_size)]
+        reached = [int(previous.get(k)) for k in keys if previous.check([k])]
+        return max(reached) if reached else None
 
     def join(self) -> None:
         _die_with_agent()

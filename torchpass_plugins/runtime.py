@@ -24,7 +24,7 @@ import torch
 from torchpass_plugins import faults, rng
 from torchpass_plugins.events import EventLog
 from torchpass_plugins.grad_buckets import GradientBuckets
-from torchpass_plugins.membership import JobAborted, Member, Unrecoverable, WorkerEnv
+from torchpass_plugins.membership import JobAborted, Member, Unrecoverable, WorkerEnv, reached_key
 from torchpass_plugins.state_transfer import recv_state, send_state
 from torchpass_plugins.transport import PeerFailure, Transport
 
@@ -130,11 +130,15 @@ class Runtime:
         self._voted = -1  # applied steps when this rank last finished a commit vote
         self.target: tuple[int, int] | None = None
         self._pending: tuple[int, list[int]] | None = None
-        self._snapshot: Any = None
+        self.boundary_record: Any = None  # the adapter's snapshot at the last boundary
+        self.seed_override: int | None = None
+        self.abort_hooks: list[Callable[[], None]] = []  # run before leaving an aborted job
 
     @property
     def seed(self) -> int:
-        """``seed_everything``'s seed when the script set one, else the job's."""
+        """The resumed snapshot's seed; else ``seed_everything``'s seed when the script set one; else the job's."""
+        if self.seed_override is not None:
+            return self.seed_override
         return int(os.environ.get("PL_GLOBAL_SEED", self.env.seed))
 
     @property
@@ -228,7 +232,7 @@ class Runtime:
         rng.reseed(self.seed, self.rank, step)
         faults.at(self.rank, step)
         faults.point("boundary")
-        self._snapshot = self.adapter.boundary_snapshot()
+        self.boundary_record = self.adapter.boundary_snapshot()
         while self._pending and self._pending[0] == step:
             spares, self._pending = self._pending[1], None
             try:
@@ -287,7 +291,10 @@ class Runtime:
         gen = self.member.latest_gen
         roster = self.member.roster(gen)
         if roster.abort:
-            self.events.emit("job_aborted", rank=self.rank, message=roster.abort)
+            applied = -1 if self.is_spare or self.adapter is None else self.adapter.applied_steps()
+            if applied >= 0:
+                self.member.store.set(reached_key(self.rank), str(applied))  # for the log of a restart
+            self.events.emit("job_aborted", rank=self.rank, message=roster.abort, applied=applied)
             raise JobAborted(roster.abort)
         return gen
 
@@ -311,9 +318,18 @@ class Runtime:
             self.is_spare = False
         elif self.rank == a.donor:
             if a.immediate:
-                self._send_to(self.transport, a.spares, self.adapter.boundary_state(self._snapshot))
+                self._send_to(self.transport, a.spares, self.adapter.boundary_state(self.boundary_record))
             else:
                 self._pending = (a.entry_step, a.spares)
+
+    def before_abort_exit(self) -> None:
+        """The job was aborted and this worker is leaving: let the hooks finish (e.g. land the snapshot in
+        flight, which the restart will resume from)."""
+        for hook in self.abort_hooks:
+            try:
+                hook()
+            except Exception as exc:  # leaving anyway
+                print(f"torchpass: while leaving the aborted job: {exc}", file=sys.stderr)
 
     def close(self) -> None:
         """At exit: stop the membership threads. If an operation of a replaced group is still stuck in

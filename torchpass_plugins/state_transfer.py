@@ -8,13 +8,13 @@ exactly what is sent (gloo aborts a process on a size mismatch, so the sizes are
 from __future__ import annotations
 
 import pickle
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from torchpass_plugins.transport import Transport
+from torchpass_plugins.tree import map_leaves
 
 
 @dataclass(frozen=True)
@@ -26,36 +26,35 @@ class _TensorRef:
     requires_grad: bool
 
 
-def _strip(obj: Any, chunks: list[torch.Tensor], offset: list[int]) -> Any:
-    if isinstance(obj, torch.Tensor):
+def _strip(state: Any, chunks: list[torch.Tensor]) -> Any:
+    offset = 0
+
+    def ref(obj: Any) -> Any:
+        nonlocal offset
+        if not isinstance(obj, torch.Tensor):
+            return obj
         flat = obj.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
-        ref = _TensorRef(offset[0], flat.numel(), obj.dtype, tuple(obj.shape), obj.requires_grad)
         chunks.append(flat)
-        offset[0] += flat.numel()
-        return ref
-    if isinstance(obj, Mapping):
-        return type(obj)((k, _strip(v, chunks, offset)) for k, v in obj.items())
-    if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
-        return type(obj)(_strip(v, chunks, offset) for v in obj)
-    return obj
+        offset += flat.numel()
+        return _TensorRef(offset - flat.numel(), flat.numel(), obj.dtype, tuple(obj.shape), obj.requires_grad)
+
+    return map_leaves(state, ref)
 
 
-def _fill(obj: Any, payload: torch.Tensor) -> Any:
-    if isinstance(obj, _TensorRef):
-        raw = payload[obj.offset : obj.offset + obj.nbytes].clone()
-        t = raw.view(obj.dtype).reshape(obj.shape)
+def _fill(skeleton: Any, payload: torch.Tensor) -> Any:
+    def tensor(obj: Any) -> Any:
+        if not isinstance(obj, _TensorRef):
+            return obj
+        t = payload[obj.offset : obj.offset + obj.nbytes].clone().view(obj.dtype).reshape(obj.shape)
         return t.requires_grad_(obj.requires_grad) if obj.requires_grad else t
-    if isinstance(obj, Mapping):
-        return type(obj)((k, _fill(v, payload)) for k, v in obj.items())
-    if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
-        return type(obj)(_fill(v, payload) for v in obj)
-    return obj
+
+    return map_leaves(skeleton, tensor)
 
 
 def pack(state: Any) -> tuple[torch.Tensor, torch.Tensor]:
     """Return (structure as uint8 pickle, all tensor bytes as one uint8 buffer)."""
     chunks: list[torch.Tensor] = []
-    skeleton = _strip(state, chunks, [0])
+    skeleton = _strip(state, chunks)
     meta = torch.frombuffer(bytearray(pickle.dumps(skeleton)), dtype=torch.uint8)
     payload = torch.cat(chunks) if chunks else torch.empty(0, dtype=torch.uint8)
     return meta, payload

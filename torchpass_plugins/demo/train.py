@@ -86,6 +86,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--model-aware", action="store_true", help="torchpass_fsdp: move only trainable state")
     p.add_argument("--save-checkpoint", type=Path, default=None, help="trainer.save_checkpoint(PATH) after fit")
     p.add_argument("--resume", type=Path, default=None, help="fit(ckpt_path=PATH)")
+    p.add_argument("--snapshot-dir", default=None, help="background snapshots to this path or fsspec URL")
+    p.add_argument("--snapshot-every", type=int, default=0, help="snapshot every N optimizer steps")
+    p.add_argument("--snapshot-when-busy", choices=["skip", "wait"], default="skip")
     args = p.parse_args(argv)
 
     L.seed_everything(7)
@@ -111,7 +114,8 @@ def main(argv: list[str] | None = None) -> None:
         num_nodes=args.num_nodes,
         max_steps=args.max_steps,
         accumulate_grad_batches=args.accumulate,
-        callbacks=[TorchPassCallback()],
+        callbacks=[TorchPassCallback(snapshot_dir=args.snapshot_dir, snapshot_every_n_steps=args.snapshot_every,
+                                     snapshot_when_busy=args.snapshot_when_busy)],
         enable_checkpointing=False,
         logger=False,
         enable_progress_bar=args.progress,

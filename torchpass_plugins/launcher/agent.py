@@ -28,6 +28,7 @@ from torchpass_plugins.membership import (
     CONFIG_ERROR_EXIT,
     INBOX,
     LEAVING,
+    RESTART_KEY,
     UNRECOVERABLE_EXIT,
     WorkerEnv,
     connect_store,
@@ -55,6 +56,7 @@ class LaunchConfig:
     refill: bool = True
     token: str = ""
     seed: int | None = None
+    max_restarts: int = 3
 
     @property
     def processes(self) -> int:
@@ -76,6 +78,8 @@ class LaunchConfig:
                 f"--spares {self.spares} leaves no active rank among {self.processes} processes "
                 f"({self.nnodes} node(s) x {self.nproc_per_node}); use fewer spares or more processes"
             )
+        if self.max_restarts < 0:
+            raise ValueError(f"--max-restarts must be >= 0, got {self.max_restarts}")
         if self.heartbeat_timeout <= self.heartbeat_interval:
             raise ValueError("--heartbeat-timeout must exceed the heartbeat interval")
         if self.nnodes > 1 and not self.token:
@@ -108,19 +112,14 @@ class Agent:
         self.events = EventLog(Path(config.run_dir) / "events.jsonl", source=f"agent{config.node_rank}")
         self.slots = [_Slot(i) for i in range(config.nproc_per_node)]
         self._signal: int | None = None
+        self.attempt = 0  # restarts of the whole job so far
+        self._coordinator_thread: threading.Thread | None = None
 
     def run(self) -> int:
         cfg = self.config
-        master = cfg.node_rank == 0
-        self._client = connect_store(cfg.rdzv_endpoint, is_master=master)
+        self._client = connect_store(cfg.rdzv_endpoint, is_master=cfg.node_rank == 0)
         self.endpoint = f"{cfg.rdzv_endpoint.rsplit(':', 1)[0]}:{self._client.port}"
-        self.store = prefixed(self._client)
-        coordinator_thread = None
-        if master:
-            self.coordinator = Coordinator(prefixed(self._client.clone()), self.token, cfg.processes,
-                                           cfg.world_size, self.events)
-            coordinator_thread = threading.Thread(target=self.coordinator.run, daemon=True)
-            coordinator_thread.start()
+        self._begin_attempt()
         self._install_signals()
         if "OMP_NUM_THREADS" not in os.environ and cfg.nproc_per_node > 1:
             # As torchrun does: N processes each spawning a thread per core would oversubscribe the node.
@@ -135,12 +134,44 @@ class Agent:
         finally:
             self._kill_all()
             self.store.add(_AGENTS_DONE, 1)
-            if master:
+            if cfg.node_rank == 0:
                 self._wait_other_agents()
-            if coordinator_thread:
-                self.store.queue_push(INBOX, json.dumps({"stop": 1}))
-                coordinator_thread.join(timeout=5)
+            self._stop_coordinator()
         return code
+
+    # -- attempts -------------------------------------------------------------------------------------
+    def _begin_attempt(self) -> None:
+        """Use the keys of attempt ``self.attempt``; node 0 starts its coordinator."""
+        cfg = self.config
+        self.store = prefixed(self._client, self.attempt)
+        if cfg.node_rank == 0:
+            self.coordinator = Coordinator(prefixed(self._client.clone(), self.attempt), self.token, cfg.processes,
+                                           cfg.world_size, self.events, restarts_left=cfg.max_restarts - self.attempt)
+            self._coordinator_thread = threading.Thread(target=self.coordinator.run, daemon=True)
+            self._coordinator_thread.start()
+
+    def _stop_coordinator(self) -> None:
+        if self._coordinator_thread is not None:
+            self.store.queue_push(INBOX, json.dumps({"stop": 1}))
+            self._coordinator_thread.join(timeout=5)
+            self._coordinator_thread = None
+
+    def _restart(self, message: str, grace: float = 5.0) -> None:
+        """The coordinator found a failure no spare can fix: start every worker afresh, under new keys."""
+        self.attempt += 1
+        print(f"torchpass: {message}\ntorchpass: restarting the job (restart {self.attempt} of "
+              f"{self.config.max_restarts}): it resumes from its newest snapshot if it writes them, else from "
+              "the start", file=sys.stderr, flush=True)
+        self.events.emit("job_restarting", attempt=self.attempt, message=message)
+        deadline = time.monotonic() + grace  # survivors leave on their own, recording how far they got
+        while any(s.proc is not None and s.proc.poll() is None for s in self.slots) and time.monotonic() < deadline:
+            time.sleep(_TICK)
+        self._kill_all()
+        self._stop_coordinator()
+        self._begin_attempt()
+        for slot in self.slots:
+            slot.incarnation += 1
+            self._spawn(slot)
 
     # -- workers --------------------------------------------------------------------------------------
     def _spawn(self, slot: _Slot) -> None:
@@ -149,7 +180,7 @@ class Agent:
         env = WorkerEnv(
             store=self.endpoint, token=self.token, worker_id=slot.worker_id, world_size=cfg.world_size,
             node_rank=cfg.node_rank, local_slot=slot.index, run_dir=str(Path(cfg.run_dir).resolve()),
-            seed=self.seed, heartbeat_interval=cfg.heartbeat_interval,
+            seed=self.seed, heartbeat_interval=cfg.heartbeat_interval, attempt=self.attempt,
         )
         slot.proc = subprocess.Popen(
             [sys.executable, "-u", *cfg.command],
@@ -171,6 +202,10 @@ class Agent:
             check = time.monotonic() >= next_check
             if check:
                 next_check = time.monotonic() + cfg.heartbeat_interval
+                if self.store.check([RESTART_KEY]):
+                    self._restart(self.store.get(RESTART_KEY).decode())
+                    done, next_check = False, 0.0
+                    continue
                 if self.store.check([ABORT_KEY]):
                     message = self.store.get(ABORT_KEY).decode()
                     print(f"torchpass: job aborted: {message}", file=sys.stderr, flush=True)
@@ -194,13 +229,19 @@ class Agent:
                     self._spawn(slot)
                     alive += 1
             if alive == 0:
-                return self._outcome()
+                code = self._outcome()
+                if code is not None:
+                    return code
+                next_check = 0.0  # the verdict was a restart: the next check performs it
             time.sleep(_TICK)
 
-    def _outcome(self, grace: float = 10.0) -> int:
-        """All local workers are gone: wait for the coordinator's verdict on the exits just reported."""
+    def _outcome(self, grace: float = 10.0) -> int | None:
+        """All local workers are gone: wait for the coordinator's verdict on the exits just reported
+        (None: the verdict is a restart)."""
         deadline = time.monotonic() + grace
         while not self.store.check([DONE_KEY]) and time.monotonic() < deadline:
+            if self.store.check([RESTART_KEY]):
+                return None
             time.sleep(_TICK)
         outcome = self.store.get(DONE_KEY).decode() if self.store.check([DONE_KEY]) else "no verdict"
         if outcome != "done":

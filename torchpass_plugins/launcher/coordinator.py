@@ -20,6 +20,7 @@ from torchpass_plugins.membership import (
     ABORT_KEY,
     CONFIG_ERROR_EXIT,
     INBOX,
+    RESTART_KEY,
     UNRECOVERABLE_EXIT,
     Roster,
     abort_request_key,
@@ -51,6 +52,7 @@ class Coordinator:
     finished: set[int] = field(default_factory=set)
     outcome: str | None = None  # "done" or the abort message
     ranks_before: list[str] | None = None  # the last published roster's workers
+    restarts_left: int = 0  # a failure no spare can fix restarts the job this many more times
     _waiting: list[str] = field(default_factory=list)
 
     def run(self) -> None:
@@ -115,7 +117,7 @@ class Coordinator:
             self._abort(f"worker {worker_id} (logical rank {rank}) stopped on a configuration error; see its output")
             return
         if code == UNRECOVERABLE_EXIT:
-            self._abort(self.store.get(abort_request_key(worker_id)).decode())
+            self._abort(self.store.get(abort_request_key(worker_id)).decode(), restartable=True)
             return
         if code == 0:
             self.finished.add(rank)
@@ -127,13 +129,15 @@ class Coordinator:
 
     def _replace(self, lost: list[int]) -> None:
         if self.finished:
-            self._abort(f"rank(s) {lost} failed after rank(s) {sorted(self.finished)} had finished training")
+            self._abort(f"rank(s) {lost} failed after rank(s) {sorted(self.finished)} had finished training",
+                        restartable=True)
             return
         if len(lost) > len(self.spares):
             self._abort(
                 f"{len(lost)} worker(s) lost (logical rank(s) {lost}) but {len(self.spares)} spare(s) left: "
                 "the job cannot continue without recomputation. Relaunch with more --spares, or resume "
-                "from the newest snapshot."
+                "from the newest snapshot.",
+                restartable=True,
             )
             return
         assignments = {}
@@ -167,15 +171,26 @@ class Coordinator:
 
     def _finish(self, outcome: str) -> None:
         self.outcome = outcome
-        for spare in self.spares:
-            self.store.set(assign_key(spare), json.dumps({"exit": outcome}))
+        self._release_spares(outcome)
         self.store.set(DONE_KEY, outcome)
         self.events.emit("job_finished", outcome=outcome)
 
-    def _abort(self, message: str) -> None:
+    def _release_spares(self, outcome: str) -> None:
+        for spare in self.spares:
+            self.store.set(assign_key(spare), json.dumps({"exit": outcome}))
+
+    def _abort(self, message: str, restartable: bool = False) -> None:
+        """Stop the job with ``message``; a failure that a restart can get past restarts it instead, while
+        restarts are left (every agent restarts its workers, which resume from the newest snapshot)."""
         if self.outcome is not None:
             return
+        restart = restartable and self.restarts_left > 0
         self._set_roster(Roster(self.gen + 1, tuple(self.ranks), abort=message))
-        self.store.set(ABORT_KEY, message)
-        self.events.emit("job_aborted", message=message)
-        self._finish(message)
+        self.store.set(RESTART_KEY if restart else ABORT_KEY, message)
+        self.events.emit("job_restart" if restart else "job_aborted", message=message,
+                         restarts_left=self.restarts_left - restart)
+        if restart:
+            self.outcome = message
+            self._release_spares(message)
+        else:
+            self._finish(message)

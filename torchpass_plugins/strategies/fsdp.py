@@ -349,7 +349,7 @@ class TorchPassFSDPStrategy(TorchPassDDPStrategy):
         """Loop progress (this boundary's snapshot) and scheduler state: restored with the shards."""
         schedulers = [c.scheduler.state_dict() for c in self.lightning_module.trainer.lr_scheduler_configs]
         groups = [_hyperparameters(optimizer) for optimizer in self.optimizers]
-        return copy.deepcopy({"loops": self.runtime._snapshot, "schedulers": schedulers, "param_groups": groups})
+        return copy.deepcopy({"loops": self.runtime.boundary_record, "schedulers": schedulers, "param_groups": groups})
 
     def _host_at(self, step: int) -> dict:
         if step in self.replicator.own:

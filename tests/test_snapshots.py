@@ -1,0 +1,183 @@
+"""Snapshots: committed only by their manifest, verified on load, written in the background, resumed bit-exact."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import s3fs
+import torch
+from conftest import STEPS
+from jobs import free_port, run
+
+from torchpass_plugins.events import EventLog, read_events
+from torchpass_plugins.snapshot_store import SnapshotStore
+from torchpass_plugins.snapshot_writer import AsyncSnapshotWriter, SnapshotPlan
+
+
+def _state(value: float) -> dict:
+    return {"weights": {"w": torch.full((4, 4), value)}, "step": int(value), "nested": [(1, 2.5), "text"]}
+
+
+def _commit(store: SnapshotStore, step: int) -> None:
+    store.write_rank(step, 0, _state(float(step)))
+    store.commit(step, writers=[0], world_size=1, seed=7, timeout=10)
+
+
+@pytest.fixture(scope="module")
+def s3_endpoint():
+    """A real S3-compatible server (moto) on 127.0.0.1, with one bucket."""
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=free_port(), verbose=False)
+    server.start()
+    endpoint = f"http://127.0.0.1:{server._port}"
+    s3fs.S3FileSystem(endpoint_url=endpoint, key="test", secret="test").mkdir("snapshots")
+    yield endpoint
+    server.stop()
+
+
+@pytest.fixture
+def s3_env(s3_endpoint, monkeypatch):
+    """Credentials and endpoint the way a user's job gets them: environment variables botocore reads."""
+    for name, value in {"AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test", "AWS_DEFAULT_REGION": "us-east-1",
+                        "AWS_ENDPOINT_URL": s3_endpoint}.items():
+        monkeypatch.setenv(name, value)
+    return s3_endpoint
+
+
+@pytest.fixture(params=["file", "memory", "s3"])
+def store(request, tmp_path):
+    if request.param == "file":
+        yield SnapshotStore(str(tmp_path / "snaps"))
+        return
+    if request.param == "s3":
+        request.getfixturevalue("s3_env")
+        yield SnapshotStore(f"s3://snapshots/{tmp_path.name}")
+        return
+    url = f"memory://snaps-{time.monotonic_ns()}"
+    yield SnapshotStore(url)
+    store = SnapshotStore(url)
+    if store.fs.exists(store.root):
+        store.fs.rm(store.root, recursive=True)
+
+
+def test_round_trip_and_only_committed_snapshots_are_seen(store):
+    assert store.load_newest(0) is None
+    _commit(store, 5)
+    store.write_rank(10, 0, _state(10.0))  # landed, but never committed
+    manifest, state, refused = store.load_newest(0)
+    assert (manifest.step, manifest.seed, refused) == (5, 7, [])
+    assert torch.equal(state["weights"]["w"], torch.full((4, 4), 5.0)) and state["nested"] == [(1, 2.5), "text"]
+    assert store.torn() == [10]
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate"])
+def test_a_damaged_newest_snapshot_is_refused_and_the_previous_one_used(store, damage):
+    _commit(store, 5)
+    _commit(store, 10)
+    path = f"{store.step_dir(10)}/rank0.pt"
+    data = bytearray(store.fs.cat_file(path))
+    if damage == "flip":
+        data[len(data) // 2] ^= 0x01
+    else:
+        del data[len(data) // 3 :]
+    store.fs.pipe_file(path, bytes(data))
+    manifest, state, refused = store.load_newest(0)
+    assert manifest.step == 5 and state["step"] == 5
+    assert len(refused) == 1 and ("checksum" in refused[0] if damage == "flip" else "truncated" in refused[0])
+
+
+def test_snapshots_refuse_arbitrary_pickles(store):
+    class Evil:
+        def __reduce__(self):
+            return (os.system, ("echo pwned",))
+
+    store.write_rank(3, 0, {"x": Evil()})
+    store.commit(3, writers=[0], world_size=1, seed=0, timeout=10)
+    with pytest.raises(Exception, match=r"weights_only|Unsupported global"):
+        store.load_rank(store.manifest(3), 0)
+
+
+def test_retention_keeps_the_newest_and_drops_torn_leftovers(store):
+    for step in (2, 4, 6):
+        _commit(store, step)
+    store.write_rank(5, 0, _state(5.0))  # torn, older than the newest committed
+    store.write_rank(8, 0, _state(8.0))  # in flight: newer than the newest committed, so kept
+    assert store.retain(keep=2) == [2, 5]
+    assert [m.step for m in store.committed()] == [4, 6] and store.torn() == [8]
+
+
+def test_sigkill_during_a_write_leaves_the_previous_snapshot_loadable(tmp_path):
+    store = SnapshotStore(str(tmp_path / "snaps"))
+    _commit(store, 1)
+    writer = subprocess.Popen([sys.executable, "-c", (
+        "import torch; from torchpass_plugins.snapshot_store import SnapshotStore\n"
+        f"s = SnapshotStore({str(tmp_path / 'snaps')!r})\n"
+        "s.write_rank(2, 0, {'big': [torch.zeros(2**20) for _ in range(200)]})\n"  # 800 MB: still being written
+        "s.commit(2, writers=[0], world_size=1, seed=0, timeout=10)\n"
+    )])
+    partial = Path(store.step_dir(2)) / "rank0.pt"
+    try:
+        deadline = time.monotonic() + 60
+        while not (partial.exists() and partial.stat().st_size > 2**20):
+            assert writer.poll() is None and time.monotonic() < deadline, "the writer never started writing"
+            time.sleep(0.001)
+        writer.send_signal(signal.SIGKILL)
+    finally:
+        writer.kill()
+        writer.wait(timeout=30)
+    manifest, _, refused = store.load_newest(0)
+    assert manifest.step == 1 and refused == [] and store.torn() == [2]
+
+
+def test_writer_copies_stable_tensors_in_the_background_and_the_rest_at_once(tmp_path):
+    landed = threading.Event()
+
+    class SlowStore(SnapshotStore):
+        def write_rank(self, step, rank, state):
+            landed.wait(30)
+            return super().write_rank(step, rank, state)
+
+    store = SlowStore(str(tmp_path / "snaps"))
+    events = EventLog(tmp_path / "events.jsonl")
+    writer = AsyncSnapshotWriter(SnapshotPlan(store, rank=0, world_size=1, writers=[0], seed=3), events)
+    param, buffer = torch.zeros(8), torch.zeros(8)
+    assert writer.start(4, {"param": param, "buffer": buffer}, stable={param.data_ptr()})
+    buffer.add_(1)  # the forward updates a buffer right away: the snapshot has its value at the boundary
+    writer.fence()
+    param.add_(1)  # the optimizer step, after the fence
+    assert not writer.start(5, {"param": param, "buffer": buffer}, stable=set())  # one in flight: skipped
+    landed.set()
+    writer.close()
+    _, state, _ = store.load_newest(0)
+    assert torch.equal(state["param"], torch.zeros(8)) and torch.equal(state["buffer"], torch.zeros(8))
+    names = [e["event"] for e in read_events(tmp_path)]
+    assert names.count("snapshot_committed") == 1 and names.count("snapshot_skipped") == 1
+
+
+def test_a_job_that_lost_more_workers_than_spares_restarts_and_resumes_bit_exact_from_s3(tmp_path, reference,
+                                                                                          s3_env):
+    url = f"s3://snapshots/{tmp_path.name}"
+    train = ("--max-steps", str(STEPS), "--snapshot-dir", url, "--snapshot-every", "4", "--snapshot-when-busy", "wait")
+    job, codes = run(tmp_path, nproc=3, spares=0, train_args=train, faults="kill@rank=1,step=14,phase=reduce")
+    assert codes == [0], job.output()[-3000:]
+    [restart] = job.events("job_restarting")
+    assert restart["attempt"] == 1 and "0 spare(s) left" in restart["message"]
+    resumed = job.events("snapshot_resumed")
+    assert [(e["step"], e["steps_lost"]) for e in resumed] == [(12, 2)] * 3
+    assert "resuming from the snapshot of step 12" in job.output() and "2 step(s) lost" in job.output()
+    final, expected = job.final(), reference(3).final()
+    assert final["global_step"] == STEPS and final["adam_steps"] == expected["adam_steps"]
+    for name, tensor in expected["weights"].items():
+        assert torch.equal(final["weights"][name], tensor), f"{name} differs from the failure-free run"
+    for rank in range(3):  # steps 12 and 13 were applied before the failure, and again after the resume
+        assert job.applied(rank) == [*range(14), *range(12, STEPS)], f"rank {rank} applied {job.applied(rank)}"
+    assert [m.step for m in SnapshotStore(url).committed()] == [8, 12, 16]  # the newest 3 are kept
+    assert job.leftovers() == []
