@@ -96,7 +96,8 @@ def render(size: Size, results: list[Result], failures: list[str], smoke: bool, 
     med = {s: summarize(r.median_ms for r in rs) for s, rs in by.items()}
     ratio = med[TORCHPASS][0] / med[PLAIN][0] if by[TORCHPASS] and by[PLAIN] else float("nan")
     pairs = [a.median_ms / b.median_ms for a in by[TORCHPASS] for b in by[PLAIN] if a.rep == b.rep]
-    launch = {TORCHPASS: "`torchpass launch --nproc-per-node 3 --spares 0`", PLAIN: "`torchrun --nproc-per-node 3`"}
+    launch = {TORCHPASS: f"`torchpass launch --nproc-per-node {size.ranks} --spares 0`",
+              PLAIN: f"`torchrun --nproc-per-node {size.ranks}`"}
     lines = ["## Steady-state overhead (`benchmarks/overhead.py`)", ""]
     if smoke:
         lines += ["> **Smoke run**: tiny model, one repetition. It checks that the pipeline works; the times "
@@ -109,7 +110,9 @@ def render(size: Size, results: list[Result], failures: list[str], smoke: bool, 
         f"- Step time: median of rank 0's step-to-step `perf_counter` deltas over steps {size.warmup}.."
         f"{size.steps - 1} (the first {size.warmup} steps are warmup); runs alternate torchpass / plain.",
         "- What differs: both overlap bucketed gradient all-reduces with backward; `torchpass_ddp` keeps its "
-        "buckets fixed, reduces out of place and commits each step with a one-element all-reduce (the commit vote).",
+        "buckets fixed (4 MB), reduces a copy (the local gradients stay intact for a retry) and commits each step "
+        "with a one-element all-reduce (the commit vote); Lightning's `ddp` broadcasts a one-element tensor each "
+        "step (its SIGTERM check).",
         "",
         "| Strategy | Launch | Runs | Median step (ms) | Min-max of run medians (ms) | p10-p90 within runs (ms) |",
         "|---|---|---|---|---|---|",

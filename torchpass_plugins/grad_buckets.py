@@ -5,9 +5,7 @@ so a spare builds exactly the same layout as its predecessor: each element is su
 which is what makes recovery bit-exact. During the backward of the step's last micro-batch, a bucket is
 issued as soon as its gradients are ready *and* every lower bucket was issued, so every rank issues the
 same sequence. The local gradients are copied into the buckets, never reduced in place, so a failed
-reduction can be retried from them. Each gradient is divided by the world size as it is copied (one pass,
-as in DDP), and after the reduction a parameter's ``grad`` becomes a view of its bucket (no copy back).
-Bucket buffers are allocated once, not per step.
+reduction can be retried from them.
 """
 
 from __future__ import annotations
@@ -22,8 +20,7 @@ from torchpass_plugins.transport import PeerFailure, Transport
 
 
 class GradientBuckets:
-    def __init__(self, params: Iterable[nn.Parameter], world_size: int, cap_bytes: int = 4 * 2**20) -> None:
-        self.world_size = world_size
+    def __init__(self, params: Iterable[nn.Parameter], cap_bytes: int = 4 * 2**20) -> None:
         self.params = [p for p in params if p.requires_grad]
         self.buckets: list[list[nn.Parameter]] = []
         for p in reversed(self.params):
@@ -34,7 +31,6 @@ class GradientBuckets:
             else:
                 self.buckets.append([p])
         self._bucket_of = {id(p): i for i, bucket in enumerate(self.buckets) for p in bucket}
-        self._buffers = self._allocate()
         self._overlapping: Transport | None = None
         self._ready = [0] * len(self.buckets)
         self._restart()
@@ -47,10 +43,8 @@ class GradientBuckets:
         self._ready = [0] * len(self.buckets)
         self._restart()
 
-    def _allocate(self) -> list[torch.Tensor]:
-        return [torch.empty(sum(p.numel() for p in b), dtype=b[0].dtype, device=b[0].device) for b in self.buckets]
-
     def _restart(self) -> None:
+        self._buffers: list[torch.Tensor] = []
         self._works: list[tuple[int, dist.Work | None]] = []  # (generation, work) per issued bucket
 
     def _on_grad(self, p: nn.Parameter) -> None:
@@ -63,23 +57,12 @@ class GradientBuckets:
             n += 1
 
     def _issue(self, b: int, transport: Transport) -> None:
-        buf = self._buffers[b]
-        if any(p.grad is not None and _shares_memory(p.grad, buf) for p in self.buckets[b]):
-            # ``zero_grad(set_to_none=False)`` kept the last step's views: reducing in place would
-            # destroy the local gradients that a retry needs.
-            buf = self._buffers[b] = torch.empty_like(buf)
-        offset = 0
-        for p in self.buckets[b]:
-            part = buf[offset : offset + p.numel()].view_as(p)
-            if p.grad is None:
-                part.zero_()
-            else:
-                torch.div(p.grad, self.world_size, out=part)  # copy and average in one pass, as DDP does
-            offset += p.numel()
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.buckets[b]]
+        self._buffers.append(torch.cat([g.reshape(-1) for g in grads]))
         work = None
         if transport.pg is not None and not transport.stale():
             try:
-                work = transport.pg.allreduce([buf])
+                work = transport.pg.allreduce([self._buffers[b]])
                 transport.track(work)
             except RuntimeError:
                 pass  # a broken group: reported when the bucket is waited for
@@ -93,7 +76,6 @@ class GradientBuckets:
         self._overlapping = None
         if any(gen != transport.gen for gen, _ in self._works):
             self._restart()
-            self._buffers = self._allocate()  # an abandoned reduction may still write into the old ones
         while len(self._works) < len(self.buckets):
             self._issue(len(self._works), transport)
         issued()
@@ -102,14 +84,11 @@ class GradientBuckets:
                 raise PeerFailure(f"all_reduce of gradient bucket {b} could not be issued")
             transport.wait(work, f"all_reduce of gradient bucket {b}")
 
-    def write_back(self) -> None:
-        """Hand each parameter its averaged gradient: a view of its bucket, no copy."""
+    def write_back(self, world_size: int) -> None:
+        """Replace each gradient with its average over the ranks."""
         for bucket, buf in zip(self.buckets, self._buffers, strict=True):
+            buf.div_(world_size)
             offset = 0
             for p in bucket:
                 p.grad = buf[offset : offset + p.numel()].view_as(p)
                 offset += p.numel()
-
-
-def _shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()

@@ -33,14 +33,15 @@ class _Deferred:
     index: int  # into the list of tensors the background thread copies
 
 
-def _host_copy(t: torch.Tensor) -> torch.Tensor:
+def _host_copy(t: torch.Tensor, into: torch.Tensor | None = None) -> torch.Tensor:
+    """Copy ``t`` to host memory (pinned for CUDA tensors), into ``into`` when it fits."""
     t = t.detach()
+    if into is None or into.shape != t.shape or into.dtype != t.dtype:
+        into = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda)
+    into.copy_(t, non_blocking=t.is_cuda)
     if t.is_cuda:
-        out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-        out.copy_(t, non_blocking=True)
         torch.cuda.current_stream(t.device).synchronize()
-        return out
-    return t.clone()
+    return into
 
 
 @dataclass
@@ -71,6 +72,9 @@ class AsyncSnapshotWriter:
         self._staged = threading.Event()
         self._staged.set()
         self.last_committed: int | None = None
+        # Host copies of the stable tensors, reused from one snapshot to the next (at most one is in
+        # flight), so that only the first snapshot pays for allocating and faulting in that memory.
+        self._staging: list[torch.Tensor] = []
 
     def start(self, step: int, state: Any, stable: set[int]) -> bool:
         """Begin the snapshot of ``step``. Tensors whose ``data_ptr`` is in ``stable`` must stay unchanged
@@ -115,7 +119,8 @@ class AsyncSnapshotWriter:
     def _run(self, step: int, staged: Any, deferred: list[torch.Tensor], t0: float) -> None:
         plan = self.plan
         try:
-            copies = [_host_copy(t) for t in deferred]
+            staging = self._staging + [None] * (len(deferred) - len(self._staging))
+            copies = self._staging = [_host_copy(t, into) for t, into in zip(deferred, staging, strict=False)]
             self._staged.set()
             if plan.writes:
                 state = map_leaves(staged, lambda leaf: copies[leaf.index] if isinstance(leaf, _Deferred) else leaf)
