@@ -124,9 +124,11 @@ class TorchPassCallback(Callback):
         self._last_snapshot = step
         strategy = trainer.strategy
         state = strategy.adapter.boundary_state(self.runtime.boundary_record)
-        stable = {p.data_ptr() for p in pl_module.parameters()}
-        stable |= {t.data_ptr() for opt in trainer.optimizers for per_param in opt.state.values()
-                   for t in per_param.values() if isinstance(t, torch.Tensor)}
+        stable: set[int] = set()
+        if self.writer.plan.writes:  # the others only take part (Lightning's save hooks run on every rank)
+            stable = {p.data_ptr() for p in pl_module.parameters()}
+            stable |= {t.data_ptr() for opt in trainer.optimizers for per_param in opt.state.values()
+                       for t in per_param.values() if isinstance(t, torch.Tensor)}
         t0 = time.perf_counter()
         if self.writer.start(step, state, stable):
             self._stall = time.perf_counter() - t0

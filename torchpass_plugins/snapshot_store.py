@@ -107,10 +107,11 @@ class SnapshotStore:
     def retain(self, keep: int) -> list[int]:
         """Delete all but the newest ``keep`` committed snapshots, and any torn one older than the newest
         committed; returns the steps deleted."""
-        committed = [m.step for m in self.committed()]
+        manifests, torn = self.scan()
+        committed = [m.step for m in manifests]
         newest = committed[-1] if committed else None
         doomed = committed[:-keep] if keep > 0 else []
-        doomed += [s for s in self.torn() if newest is not None and s < newest]
+        doomed += [s for s in torn if newest is not None and s < newest]
         for step in doomed:
             self.fs.rm(self.step_dir(step), recursive=True)
         return sorted(doomed)
@@ -133,13 +134,24 @@ class SnapshotStore:
             log.warning("torchpass: snapshot of step %d has an unreadable manifest (%s): ignored", step, exc)
             return None
 
+    def scan(self) -> tuple[list[Manifest], list[int]]:
+        """One listing: the committed snapshots (oldest first), and the steps with files but no manifest
+        (writes that never completed, or are in flight now)."""
+        committed: list[Manifest] = []
+        torn: list[int] = []
+        for step in self._steps():
+            manifest = self.manifest(step)
+            if manifest is None:
+                torn.append(step)
+            else:
+                committed.append(manifest)
+        return committed, torn
+
     def committed(self) -> list[Manifest]:
-        """Committed snapshots, oldest first."""
-        return [m for m in map(self.manifest, self._steps()) if m is not None]
+        return self.scan()[0]
 
     def torn(self) -> list[int]:
-        """Steps with files but no manifest: writes that never completed (or are in flight now)."""
-        return [s for s in self._steps() if self.manifest(s) is None]
+        return self.scan()[1]
 
     def load_rank(self, manifest: Manifest, rank: int) -> Any:
         """Read and verify ``rank{rank}.pt`` of a committed snapshot; raises :class:`SnapshotCorrupted`."""

@@ -64,14 +64,11 @@ class SnapshotPlan:
 
 class AsyncSnapshotWriter:
     def __init__(self, plan: SnapshotPlan, events: EventLog) -> None:
-        if plan.when_busy not in ("skip", "wait"):
-            raise ValueError(f"torchpass: snapshot when_busy must be 'skip' or 'wait', not {plan.when_busy!r}")
         self.plan = plan
         self.events = events
         self._thread: threading.Thread | None = None
         self._staged = threading.Event()
         self._staged.set()
-        self.last_committed: int | None = None
         # Host copies of the stable tensors, reused from one snapshot to the next (at most one is in
         # flight), so that only the first snapshot pays for allocating and faulting in that memory.
         self._staging: list[torch.Tensor] = []
@@ -130,7 +127,6 @@ class AsyncSnapshotWriter:
             if plan.rank == 0:
                 manifest = plan.store.commit(step, plan.writers, plan.world_size, plan.seed, plan.commit_timeout)
                 deleted = plan.store.retain(plan.keep)
-                self.last_committed = step
                 self.events.emit("snapshot_committed", rank=0, step=step, url=plan.store.url,
                                  bytes=sum(f["bytes"] for f in manifest.files.values()),
                                  seconds=time.perf_counter() - t0, deleted=deleted)
