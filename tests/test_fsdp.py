@@ -6,6 +6,8 @@ import torch
 from conftest import STEPS, assert_bit_exact
 from jobs import run
 
+from torchpass_plugins.snapshot_store import SnapshotStore
+
 FSDP = ("--strategy", "torchpass_fsdp")
 TRAIN = ("--devices", "3", "--max-steps", str(STEPS), *FSDP)
 
@@ -34,15 +36,27 @@ def test_replicating_every_4_steps_rolls_back_in_memory_and_replays(tmp_path, re
     assert job.leftovers() == []
 
 
-def test_a_rank_lost_with_its_replica_holder_stops_the_job_clearly(tmp_path):
-    # Rank 2 dies after rank 1's replacement was published: the recovery itself meets a second failure.
-    job, codes = run(tmp_path, nproc=5, spares=2, train_args=TRAIN, launch_args=("--no-refill", "--max-restarts", "0"),
-                     faults="kill@rank=1,step=4,phase=reduce;kill@rank=2,step=4,phase=commit")
-    assert codes == [1]
-    out = job.output()
-    assert out.count("logical rank 1 and its replica holder, rank 2, were lost together") == 1, out[-3000:]
-    assert "Resume the job from its newest snapshot" in out and "Traceback" not in out
-    assert len(job.events("roster_published")) == 3  # start, rank 1 replaced, rank 2 replaced
+def test_a_rank_lost_with_its_replica_holder_falls_back_to_the_newest_sharded_snapshot(tmp_path, reference):
+    # Rank 2 dies after rank 1's replacement was published: the recovery itself meets a second failure, and
+    # rank 1's shard exists nowhere in memory. The job restarts and every rank loads its own shard file.
+    snapshots = tmp_path / "snapshots"
+    train = (*TRAIN, "--snapshot-dir", str(snapshots), "--snapshot-every", "2", "--snapshot-when-busy", "wait")
+    job, codes = run(tmp_path, nproc=5, spares=2, train_args=train, launch_args=("--no-refill",),
+                     faults="kill@rank=1,step=5,phase=reduce;kill@rank=2,step=5,phase=commit")
+    assert codes == [0], job.output()[-3000:]
+    [restart] = job.events("job_restarting")
+    assert "logical rank 1 and its replica holder, rank 2, were lost together" in restart["message"]
+    resumed = job.events("snapshot_resumed")
+    assert len(resumed) == 3 and len({(e["step"], e["steps_lost"]) for e in resumed}) == 1
+    step = resumed[0]["step"]
+    assert step in (2, 4) and resumed[0]["steps_lost"] == 5 - step  # step 5 never committed
+    for manifest in SnapshotStore(str(snapshots)).committed():
+        assert sorted(manifest.files) == ["rank0.pt", "rank1.pt", "rank2.pt"]  # one shard file per rank
+    final, expected = job.final(), reference(3, FSDP).final()
+    assert final["global_step"] == STEPS and final["adam_steps"] == expected["adam_steps"]
+    for name, tensor in expected["weights"].items():
+        assert torch.equal(final["weights"][name], tensor), f"{name} differs from the failure-free run"
+    assert "Traceback" not in job.output()
     assert job.leftovers() == []
 
 

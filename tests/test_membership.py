@@ -15,6 +15,7 @@ from torchpass_plugins.launcher.coordinator import DONE_KEY, Coordinator
 from torchpass_plugins.membership import (
     ABORT_KEY,
     INBOX,
+    TRAINED_KEY,
     Member,
     Roster,
     WorkerEnv,
@@ -83,6 +84,21 @@ def test_coordinator_rejects_a_wrong_token_and_releases_spares_at_the_end(store,
     c.poll()
     assert s.get(DONE_KEY) == b"done"
     assert _assignment(s, "n0-s1-i0") == {"exit": "done"}
+
+
+def test_a_worker_lost_after_training_completed_is_not_replaced(store, tmp_path):
+    # Its peers passed the barrier ending fit with it: a spare would wait for peers that are leaving.
+    _, s = store
+    c = Coordinator(s, "tok", processes=3, world_size=2, events=EventLog(None), restarts_left=3)
+    for w in ("n0-s0-i0", "n0-s1-i0", "n0-s2-i0"):
+        _join(s, w)
+    c.poll()
+    s.set(TRAINED_KEY, "20")
+    _exit(s, "n0-s1-i0", -6)
+    c.poll()
+    message = s.get(ABORT_KEY).decode()
+    assert "after training had completed on every rank" in message and "not restarted" in message
+    assert not s.check([assign_key("n0-s2-i0")]) or "exit" in _assignment(s, "n0-s2-i0")  # never promoted
 
 
 def test_a_blocked_collective_escapes_when_a_newer_roster_appears(store):

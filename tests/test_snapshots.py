@@ -94,6 +94,40 @@ def test_a_damaged_newest_snapshot_is_refused_and_the_previous_one_used(store, d
     assert len(refused) == 1 and ("checksum" in refused[0] if damage == "flip" else "truncated" in refused[0])
 
 
+def test_the_ranks_of_a_job_agree_on_the_newest_snapshot_all_their_files_verify(tmp_path):
+    # Sharded snapshots: each rank reads its own file. Rank 1's newest is damaged, so both ranks must take
+    # the previous snapshot, although rank 0's own newest file is intact.
+    store = SnapshotStore(str(tmp_path / "snaps"))
+    for step in (4, 8):
+        for rank in (0, 1):
+            store.write_rank(step, rank, _state(float(step + rank)))
+        store.commit(step, writers=[0, 1], world_size=2, seed=7, timeout=10)
+    path = f"{store.step_dir(8)}/rank1.pt"
+    data = bytearray(store.fs.cat_file(path))
+    data[-10] ^= 0x01
+    store.fs.pipe_file(path, bytes(data))
+    verdicts, barrier, found = [True, True], threading.Barrier(2, timeout=30), {}
+
+    def rank_main(rank: int) -> None:
+        def everyone(ok: bool) -> bool:  # an all-reduce (min) between two threads
+            verdicts[rank] = ok
+            barrier.wait()
+            agreed = all(verdicts)
+            barrier.wait()
+            return agreed
+
+        found[rank] = store.load_newest(rank, [m.step for m in store.committed()], everyone)
+
+    threads = [threading.Thread(target=rank_main, args=(rank,)) for rank in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    (m0, state0, refused0), (m1, state1, refused1) = found[0], found[1]
+    assert (m0.step, m1.step, state0["step"], state1["step"]) == (4, 4, 4, 5)
+    assert "another rank" in refused0[0] and "checksum" in refused1[0]
+
+
 def test_snapshots_refuse_arbitrary_pickles(store):
     class Evil:
         def __reduce__(self):

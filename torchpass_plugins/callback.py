@@ -73,40 +73,43 @@ class TorchPassCallback(Callback):
         if stage != "fit" or not self.snapshot_dir:
             return
         strategy = trainer.strategy
-        if self.runtime is None or getattr(strategy, "strategy_name", "") != "torchpass_ddp":
+        if self.runtime is None:
             raise ConfigError(
-                "torchpass: snapshots need strategy='torchpass_ddp' under `torchpass launch` "
-                f"(got {type(strategy).__name__}); torchpass_fsdp's sharded snapshots are not available yet"
+                "torchpass: snapshots need strategy='torchpass_ddp' or 'torchpass_fsdp' under `torchpass launch` "
+                f"(got {type(strategy).__name__})"
             )
         store = SnapshotStore(self.snapshot_dir, self.snapshot_storage_options)
+        writers = strategy.snapshot_writers()
         if not trainer._checkpoint_connector._loaded_checkpoint and trainer.ckpt_path is None:
-            self._resume(trainer, store)
-        plan = SnapshotPlan(store, strategy.global_rank, strategy.world_size, writers=[0], seed=self.runtime.seed,
+            self._resume(trainer, store, writers)
+        plan = SnapshotPlan(store, strategy.global_rank, strategy.world_size, writers, seed=self.runtime.seed,
                             keep=self.snapshot_keep, when_busy=self.snapshot_when_busy)
         self.writer = AsyncSnapshotWriter(plan, self.runtime.events)
         self.runtime.abort_hooks.append(lambda: self.writer.close(timeout=_LAND_ON_ABORT_S))
+        self.runtime.rollback_hooks.append(self.writer.fence)
 
-    def _resume(self, trainer, store: SnapshotStore) -> None:
-        """All ranks resume from the snapshot rank 0 found newest and intact (rank 0's verdict is shared)."""
+    def _resume(self, trainer, store: SnapshotStore, writers: list[int]) -> None:
+        """All ranks resume from the newest snapshot whose files all verify (each rank reads the file of
+        its own rank, or the single writer's)."""
         strategy, events = trainer.strategy, self.runtime.events
-        found = store.load_newest(0) if strategy.global_rank == 0 else None
-        step = strategy.broadcast(found[0].step if found else -1, 0)
-        if step < 0:
-            return
+        rank = strategy.global_rank
+        steps = strategy.broadcast([m.step for m in store.committed()] if rank == 0 else None, 0)
+
+        def everyone(ok: bool) -> bool:
+            return bool(strategy.reduce(torch.tensor(int(ok)), reduce_op="min").item())
+
+        found = store.load_newest(rank if rank in writers else writers[0], steps, everyone)
         if found is None:
-            manifest = store.manifest(step)
-            state, refused = store.load_rank(manifest, 0), []
-        else:
-            manifest, state, refused = found
-        trainer._checkpoint_connector._loaded_checkpoint = state
-        strategy.adapter.resume_data_from(state)
+            return
+        manifest, state, refused = found
+        strategy.load_snapshot(state)
         self.runtime.seed_override = manifest.seed
-        self._last_snapshot = step
+        self._last_snapshot = step = manifest.step
         reached = self.runtime.member.reached_before_restart()
         lost = None if reached is None else max(0, reached - step)
-        events.emit("snapshot_resumed", rank=strategy.global_rank, step=step, url=store.url, refused=refused,
+        events.emit("snapshot_resumed", rank=rank, step=step, url=store.url, refused=refused,
                     torn=store.torn(), steps_lost=lost)
-        if strategy.global_rank == 0:
+        if rank == 0:
             print(f"torchpass: resuming from the snapshot of step {step} in {store.url}"
                   + (f"; the aborted attempt had reached step {reached}: {lost} step(s) lost" if lost is not None
                      else "")
@@ -122,14 +125,8 @@ class TorchPassCallback(Callback):
         if (trainer.fit_loop.epoch_loop.batch_progress.current.ready - 1) % trainer.accumulate_grad_batches:
             return  # not the step's first micro-batch
         self._last_snapshot = step
-        strategy = trainer.strategy
-        state = strategy.adapter.boundary_state(self.runtime.boundary_record)
-        stable: set[int] = set()
-        if self.writer.plan.writes:  # the others only take part (Lightning's save hooks run on every rank)
-            stable = {p.data_ptr() for p in pl_module.parameters()}
-            stable |= {t.data_ptr() for opt in trainer.optimizers for per_param in opt.state.values()
-                       for t in per_param.values() if isinstance(t, torch.Tensor)}
         t0 = time.perf_counter()
+        state, stable = trainer.strategy.snapshot_state()  # on every rank: Lightning's save hooks run on all
         if self.writer.start(step, state, stable):
             self._stall = time.perf_counter() - t0
 

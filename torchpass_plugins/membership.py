@@ -67,6 +67,9 @@ LEAVING = 1 << 40  # added to a heartbeat counter by a worker on its way out: no
 INBOX = "inbox"  # the coordinator's one input queue: JSON messages {"join": w} / {"exit": w, ...} / {"stop": 1}
 ABORT_KEY = "abort"
 RESTART_KEY = "restart"  # set instead of ABORT_KEY when the agents are to restart every worker
+# Set by a rank that passed the barrier ending ``fit``: from then on every rank has finished training, so a
+# worker lost afterwards (in the script's code after ``fit``, or at exit) is not replaced.
+TRAINED_KEY = "trained"
 
 
 def reached_key(rank: int) -> str:

@@ -20,11 +20,12 @@ from datetime import timedelta
 from typing import Any, Protocol, TypeVar
 
 import torch
+import torch.distributed as dist
 
 from torchpass_plugins import faults, rng
 from torchpass_plugins.events import EventLog
 from torchpass_plugins.grad_buckets import GradientBuckets
-from torchpass_plugins.membership import JobAborted, Member, Unrecoverable, WorkerEnv, reached_key
+from torchpass_plugins.membership import TRAINED_KEY, JobAborted, Member, Unrecoverable, WorkerEnv, reached_key
 from torchpass_plugins.state_transfer import recv_state, send_state
 from torchpass_plugins.transport import PeerFailure, Transport
 
@@ -133,6 +134,9 @@ class Runtime:
         self.boundary_record: Any = None  # the adapter's snapshot at the last boundary
         self.seed_override: int | None = None
         self.abort_hooks: list[Callable[[], None]] = []  # run before leaving an aborted job
+        # run before the live training state is overwritten in memory (a rollback): e.g. a snapshot's
+        # background copy of that state must finish first
+        self.rollback_hooks: list[Callable[[], object]] = []
 
     @property
     def seed(self) -> int:
@@ -291,10 +295,7 @@ class Runtime:
         gen = self.member.latest_gen
         roster = self.member.roster(gen)
         if roster.abort:
-            applied = -1 if self.is_spare or self.adapter is None else self.adapter.applied_steps()
-            if applied >= 0:
-                self.member.store.set(reached_key(self.rank), str(applied))  # for the log of a restart
-            self.events.emit("job_aborted", rank=self.rank, message=roster.abort, applied=applied)
+            self.events.emit("job_aborted", rank=self.rank, message=roster.abort, applied=self._applied())
             raise JobAborted(roster.abort)
         return gen
 
@@ -322,9 +323,19 @@ class Runtime:
             else:
                 self._pending = (a.entry_step, a.spares)
 
+    def training_complete(self, step: int) -> None:
+        """Past the barrier that ends ``fit``: every rank has finished training (see ``TRAINED_KEY``)."""
+        self.member.store.set(TRAINED_KEY, str(step))
+
+    def _applied(self) -> int:
+        return -1 if self.is_spare or self.adapter is None else self.adapter.applied_steps()
+
     def before_abort_exit(self) -> None:
-        """The job was aborted and this worker is leaving: let the hooks finish (e.g. land the snapshot in
-        flight, which the restart will resume from)."""
+        """The job was aborted and this worker is leaving: record how far it got (for the restart's log of
+        steps lost) and let the hooks finish (e.g. land the snapshot in flight, which the restart resumes
+        from)."""
+        if self._applied() >= 0:
+            self.member.store.set(reached_key(self.rank), str(self._applied()))
         for hook in self.abort_hooks:
             try:
                 hook()
@@ -332,11 +343,17 @@ class Runtime:
                 print(f"torchpass: while leaving the aborted job: {exc}", file=sys.stderr)
 
     def close(self) -> None:
-        """At exit: stop the membership threads. If an operation of a replaced group is still stuck in
-        C++, interpreter teardown could crash under it, so such a process leaves through ``os._exit``."""
-        drained = all([t.drain(timeout=2.0) for t in (self.transport, *self.side_transports)])  # heartbeats go on
+        """At exit: stop the membership threads and destroy the process groups while the interpreter is
+        still whole (gloo worker threads that outlive it abort the process: pytorch/pytorch#190489). If an
+        operation of a replaced group is still stuck in C++, the process leaves through ``os._exit``."""
+        transports = (self.transport, *self.side_transports)
+        drained = all([t.drain(timeout=2.0) for t in transports])  # heartbeats go on meanwhile
         self.member.close()
         if not drained:
             sys.stdout.flush()
             sys.stderr.flush()
             os._exit(1 if getattr(sys, "last_value", None) is not None else 0)
+        for t in transports:
+            t.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()

@@ -15,6 +15,7 @@ import json
 import logging
 import re
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -170,14 +171,28 @@ class SnapshotStore:
             raise SnapshotCorrupted(f"{where}: checksum mismatch (the file was altered or damaged)")
         return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
 
-    def load_newest(self, rank: int) -> tuple[Manifest, Any, list[str]] | None:
+    def load_newest(
+        self, rank: int, steps: list[int] | None = None, agree: Callable[[bool], bool] = bool
+    ) -> tuple[Manifest, Any, list[str]] | None:
         """The newest committed snapshot whose ``rank{rank}.pt`` verifies, with that state and the reasons
-        newer ones were refused (each also logged); None when there is none."""
+        newer ones were refused (each also logged); None when there is none.
+
+        A job searches together: every rank walks the same ``steps`` (the committed steps one rank listed)
+        and ``agree`` turns this rank's verdict on a step into the job's (all ranks' files verify), so
+        that all ranks resume from the same step even when only one rank's file is damaged.
+        """
         refused: list[str] = []
-        for manifest in reversed(self.committed()):
+        for step in reversed(steps if steps is not None else [m.step for m in self.committed()]):
+            state, error = None, None
+            manifest = self.manifest(step)
             try:
-                return manifest, self.load_rank(manifest, rank), refused
+                if manifest is None:
+                    raise SnapshotCorrupted(f"{self.url.rstrip('/')}/step-{step:09d}: its manifest is gone")
+                state = self.load_rank(manifest, rank)
             except SnapshotCorrupted as exc:
                 log.error("torchpass: %s; falling back to the previous snapshot", exc)
-                refused.append(str(exc))
+                error = str(exc)
+            if agree(error is None):
+                return manifest, state, refused
+            refused.append(error or f"step {step}: another rank's file failed verification")
         return None

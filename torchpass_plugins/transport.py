@@ -75,6 +75,10 @@ class Transport:
         if pg is not None and self._escaped:
             ctypes.pythonapi.Py_IncRef(ctypes.py_object(pg))
 
+    def close(self) -> None:
+        """Drop the group (its gloo threads end now); only once :meth:`drain` found nothing pending."""
+        self.pg = None
+
     def drain(self, timeout: float) -> bool:
         """Wait up to ``timeout`` for operations left in replaced groups; True when none is pending."""
         deadline = time.monotonic() + timeout

@@ -21,6 +21,7 @@ from torchpass_plugins.membership import (
     CONFIG_ERROR_EXIT,
     INBOX,
     RESTART_KEY,
+    TRAINED_KEY,
     UNRECOVERABLE_EXIT,
     Roster,
     abort_request_key,
@@ -128,9 +129,11 @@ class Coordinator:
         lost.append(rank)
 
     def _replace(self, lost: list[int]) -> None:
-        if self.finished:
-            self._abort(f"rank(s) {lost} failed after rank(s) {sorted(self.finished)} had finished training",
-                        restartable=True)
+        if self.finished or self.store.check([TRAINED_KEY]):
+            # Every rank had passed the barrier that ends training: nothing to recover, nothing to
+            # recompute, but what the lost worker's script had left to do after ``fit`` is lost.
+            self._abort(f"rank(s) {lost} failed after training had completed on every rank (in the script's "
+                        "code after fit, or at exit); the job is not restarted")
             return
         if len(lost) > len(self.spares):
             self._abort(

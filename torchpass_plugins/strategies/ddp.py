@@ -150,8 +150,10 @@ class TorchPassDDPStrategy(ParallelStrategy):
 
     @override
     def on_train_end(self) -> None:
-        self.runtime.boundary(self.lightning_module.trainer.global_step)
+        step = self.lightning_module.trainer.global_step
+        self.runtime.boundary(step)
         self.barrier("torchpass.fit_end")
+        self.runtime.training_complete(step)
 
     # -- gradients ------------------------------------------------------------------------------------
     @override
@@ -221,6 +223,24 @@ class TorchPassDDPStrategy(ParallelStrategy):
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only)
         self.adapter.resume_data_from(checkpoint)
         return checkpoint
+
+    # -- snapshots (taken and resumed by TorchPassCallback) ---------------------------------------------
+    def snapshot_writers(self) -> list[int]:
+        """The ranks that write a snapshot file: every rank holds the whole state, so rank 0 alone."""
+        return [0]
+
+    def snapshot_state(self) -> tuple[Any, set[int]]:
+        """At a step boundary: this rank's part of the snapshot, and the ``data_ptr`` of each of its tensors
+        that stays unchanged until the optimizer step (copied in the background meanwhile)."""
+        state = self.adapter.boundary_state(self.runtime.boundary_record)
+        stable = {p.data_ptr() for p in self.lightning_module.parameters()}
+        stable |= {t.data_ptr() for optimizer in self.optimizers for per_param in optimizer.state.values()
+                   for t in per_param.values() if isinstance(t, Tensor)}
+        return state, stable
+
+    def load_snapshot(self, state: Any) -> None:
+        """Before ``setup``: Lightning's restore path will load ``state`` as from a checkpoint file."""
+        self.adapter.load_state(state)
 
     # -- data -----------------------------------------------------------------------------------------
     @override

@@ -316,6 +316,7 @@ class TorchPassFSDPStrategy(TorchPassDDPStrategy):
                 self.barrier("torchpass.fit_end")
             failure = self._failure()
             if failure is None:
+                self.runtime.training_complete(step)
                 self.runtime.events.emit("replica_memory", rank=self.global_rank, bytes=self.replicator.host_bytes(),
                                          rounds_kept=len(self.replicator.own) + len(self.replicator.replicas))
                 return
@@ -368,6 +369,26 @@ class TorchPassFSDPStrategy(TorchPassDDPStrategy):
         checkpoint["lr_schedulers"] = host["schedulers"]
         checkpoint["optimizer_states"] = [{"param_groups": groups} for groups in host["param_groups"]]
         return checkpoint
+
+    # -- snapshots -----------------------------------------------------------------------------------------
+    @override
+    def snapshot_writers(self) -> list[int]:
+        return list(range(self.world_size))  # each shard lives on one rank only
+
+    @override
+    def snapshot_state(self) -> tuple[Any, set[int]]:
+        """This rank's whole shard (model-aware filtering does not apply: a snapshot is the last resort) and
+        the rest of the boundary state; the shard stays unchanged until the optimizer step."""
+        optimizer = self.optimizers[0] if self.optimizers else None
+        shard = shard_state.capture(self.lightning_module, optimizer)
+        stable = {t.data_ptr() for t in shard["params"].values()}
+        stable |= {t.data_ptr() for values in shard["optim"].values() for t in values.values()}
+        return {"host": self._host_checkpoint(self.lightning_module.trainer.global_step), "shard": shard}, stable
+
+    @override
+    def load_snapshot(self, state: Any) -> None:
+        self._incoming = state["shard"]  # loaded into the shards once they exist (after setup)
+        self.adapter.load_state(state["host"])
 
     # -- recovery -----------------------------------------------------------------------------------------
     def _row(self) -> ShardRow:
@@ -441,6 +462,8 @@ class TorchPassFSDPStrategy(TorchPassDDPStrategy):
         live = self.runtime.last_boundary == step == trainer.global_step
         host = self._host_at(step)
         if not live:
+            for hook in self.runtime.rollback_hooks:
+                hook()
             packed = self.replicator.own[step]
             shard_state.restore(self.lightning_module, self.optimizers[0], unpack(packed.meta, packed.payload))
             for config, state in zip(trainer.lr_scheduler_configs, host["schedulers"], strict=True):
