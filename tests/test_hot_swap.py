@@ -7,11 +7,15 @@ optimizer step applied exactly once on every logical rank, and no process left b
 from __future__ import annotations
 
 import os
+import re
 import signal
+import subprocess
+import sys
 
 import pytest
 from conftest import STEPS, assert_bit_exact
 from jobs import run, start
+from PIL import Image
 
 TRAIN = ("--devices", "3", "--max-steps", str(STEPS))
 pytestmark = pytest.mark.timeout(300)
@@ -78,6 +82,16 @@ def test_two_failures_with_two_spares(tmp_path, reference):
                      faults="kill@rank=1,step=4,phase=reduce;kill@rank=2,step=11,phase=boundary")
     assert_bit_exact(job, codes, reference())
     assert len(job.events("failure_detected")) == 2
+    # ``torchpass report``: its numbers are the log's, and the timeline is a real 1000 x 500 PNG.
+    out = subprocess.run([sys.executable, "-m", "torchpass_plugins.cli", "report", str(tmp_path)],
+                         capture_output=True, text=True, timeout=120, check=True).stdout
+    rows = dict(re.findall(r"^[│|] (\S[^│|]*?)\s+[│|] (\S+)\s+[│|]$", out, re.MULTILINE))
+    assert (rows["Failures"], rows["Recoveries"], rows["Steps reached"], rows["Steps lost"]) == ("2", "2", "20", "0")
+    sent = [e["bytes"] for e in job.events("state_sent")]
+    assert len(sent) == 2 and all(f"{b:,}" in out for b in sent), out
+    assert 0 < float(rows["Goodput"]) <= 1
+    with Image.open(tmp_path / "timeline.png") as png:
+        assert (png.format, png.size) == ("PNG", (1000, 500))
 
 
 def test_second_failure_after_the_pool_was_refilled(tmp_path, reference):

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import random
+import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -71,3 +73,13 @@ def test_launch_config_counts_active_ranks():
     config = LaunchConfig(command=["t.py"], nproc_per_node=3, nnodes=2, spares=2, token="t", rdzv_endpoint="h:29500")
     config.validate()
     assert (config.processes, config.world_size) == (6, 4)
+
+
+def test_every_event_the_code_emits_is_documented():
+    root = Path(__file__).resolve().parents[1]
+    emitted = {m for f in (root / "torchpass_plugins").rglob("*.py")
+               for m in re.findall(r'emit\(\s*"([a-z_]+)"', f.read_text())}
+    documented = set(re.findall(r"^\| `([a-z_]+)` \|", (root / "docs" / "events.md").read_text(), re.MULTILINE))
+    assert len(emitted) > 30
+    assert emitted <= documented, f"undocumented events: {sorted(emitted - documented)}"
+    assert documented <= emitted | {"time", "event", "source"}, f"documented, never emitted: {documented - emitted}"

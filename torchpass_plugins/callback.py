@@ -1,4 +1,4 @@
-"""``TorchPassCallback``: the event log of recoveries, and background snapshots as the fallback of last resort."""
+"""``TorchPassCallback``: background snapshots as the fallback of last resort, and where the log goes."""
 
 from __future__ import annotations
 
@@ -17,18 +17,19 @@ from torchpass_plugins.membership import ConfigError
 from torchpass_plugins.snapshot_store import SnapshotStore
 from torchpass_plugins.snapshot_writer import AsyncSnapshotWriter, SnapshotPlan, WhenBusy
 
-_LAND_ON_ABORT_S = 60.0  # how long a worker leaving an aborted job waits for its snapshot in flight
+_LAND_ON_LEAVE_S = 60.0  # how long a worker leaving the job (aborted, migrated) waits for its snapshot in flight
 
 
 class TorchPassCallback(Callback):
-    """Writes the worker side of ``RUN_DIR/events.jsonl`` and, with ``snapshot_dir``, job-wide snapshots.
+    """Job-wide snapshots, and optionally another place for the workers' event log.
 
-    The strategy works without it; with it, every phase of a recovery is logged with its duration. With
-    ``snapshot_dir`` (any fsspec URL) a snapshot of the full training state is written in the background
-    every ``snapshot_every_n_steps`` optimizer steps, the newest ``snapshot_keep`` are kept, and ``fit``
-    resumes from the newest committed one automatically (unless ``ckpt_path`` is given). When a snapshot is
-    due while the previous one is still being written, ``snapshot_when_busy`` says whether to skip it or
-    to wait for the previous one.
+    The strategies work without it and log every phase of a recovery to ``RUN_DIR/events.jsonl`` (the
+    launcher's ``--run-dir``); ``run_dir`` sends the workers' events elsewhere. With ``snapshot_dir`` (any
+    fsspec URL) a snapshot of the full training state is written in the background every
+    ``snapshot_every_n_steps`` optimizer steps, the newest ``snapshot_keep`` are kept, and ``fit`` resumes
+    from the newest committed one automatically (unless ``ckpt_path`` is given). When a snapshot is due
+    while the previous one is still being written, ``snapshot_when_busy`` says whether to skip it or to
+    wait for the previous one.
     """
 
     def __init__(
@@ -62,9 +63,8 @@ class TorchPassCallback(Callback):
 
     def attach(self, runtime) -> None:
         """Called by the torchpass strategy as it sets up, before any recovery can happen."""
-        run_dir = Path(self.run_dir or runtime.env.run_dir)
-        runtime.events = EventLog(run_dir / "events.jsonl", source=f"rank{runtime.rank}")
-        runtime.events.emit("worker_ready", worker=runtime.env.worker_id, rank=runtime.rank, spare=runtime.is_spare)
+        if self.run_dir is not None:
+            runtime.events = EventLog(Path(self.run_dir) / "events.jsonl", source=runtime.events.source)
         self.runtime = runtime
 
     # -- resume ---------------------------------------------------------------------------------------------
@@ -85,7 +85,7 @@ class TorchPassCallback(Callback):
         plan = SnapshotPlan(store, strategy.global_rank, strategy.world_size, writers, seed=self.runtime.seed,
                             keep=self.snapshot_keep, when_busy=self.snapshot_when_busy)
         self.writer = AsyncSnapshotWriter(plan, self.runtime.events)
-        self.runtime.abort_hooks.append(lambda: self.writer.close(timeout=_LAND_ON_ABORT_S))
+        self.runtime.leave_hooks.append(lambda: self.writer.close(timeout=_LAND_ON_LEAVE_S))
         self.runtime.rollback_hooks.append(self.writer.fence)
 
     def _resume(self, trainer, store: SnapshotStore, writers: list[int]) -> None:

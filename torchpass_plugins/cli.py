@@ -6,6 +6,7 @@ import argparse
 import os
 import sys
 
+from torchpass_plugins.health import HealthConfig, HealthPolicy
 from torchpass_plugins.launcher import LaunchConfig, launch
 
 
@@ -24,6 +25,19 @@ def _launch_parser(sub: argparse._SubParsersAction) -> None:
                    help="restarts of the whole job when a failure no spare can fix happens (it resumes from its "
                         "newest snapshot); 0: stop instead")
     p.add_argument("--seed", type=int, default=None, help="job seed for per-step RNG (default: from PL_GLOBAL_SEED)")
+    p.add_argument("--health-source", default="nvml",
+                   help="GPU health readings: nvml, file:PATH (JSON {device: {field: value}}, for drills), or off")
+    p.add_argument("--health-interval", type=float, default=5.0, help="seconds between health readings")
+    p.add_argument("--temperature-warn", type=float, default=HealthPolicy.temperature_warn_c, help="deg C")
+    p.add_argument("--temperature-migrate", type=float, default=HealthPolicy.temperature_migrate_c,
+                   help="deg C from which a worker is moved off its GPU to a spare")
+    p.add_argument("--straggler-window", type=int, default=50, help="steps per straggler verdict (0: off)")
+    p.add_argument("--straggler-factor", type=float, default=1.5,
+                   help="a rank whose compute time per step exceeds the median by this factor is a straggler")
+    p.add_argument("--straggler-policy", choices=["warn", "migrate"], default="warn",
+                   help="log a straggler, or also move it to a spare")
+    p.add_argument("--metrics-addr", default=None,
+                   help="HOST:PORT for node 0's Prometheus endpoint (needs the 'metrics' extra); off by default")
     p.add_argument("script", help="training script (or -m module)")
     p.add_argument("args", nargs=argparse.REMAINDER)
 
@@ -35,7 +49,17 @@ def main(argv: list[str] | None = None) -> int:
     demo = sub.add_parser("demo", help="3 active + 1 spare train, one is SIGKILLed, and the result is compared")
     demo.add_argument("--steps", type=int, default=60)
     demo.add_argument("--run-dir", default="torchpass_runs/demo")
+    rep = sub.add_parser("report", help="summary table and timeline PNG of a run, from RUN_DIR/events.jsonl")
+    rep.add_argument("run_dir")
     ns = parser.parse_args(argv)
+    if ns.cmd == "report":
+        from torchpass_plugins.report import report
+
+        try:
+            report(ns.run_dir)
+        except (FileNotFoundError, ValueError) as exc:
+            parser.exit(1, f"torchpass report: {exc}\n")
+        return 0
     if ns.cmd == "demo":
         from torchpass_plugins.demo.runner import run_demo
 
@@ -46,6 +70,11 @@ def main(argv: list[str] | None = None) -> int:
         rdzv_endpoint=ns.rdzv_endpoint, spares=ns.spares, run_dir=ns.run_dir,
         heartbeat_timeout=ns.heartbeat_timeout, heartbeat_interval=ns.heartbeat_interval, refill=ns.refill,
         token=os.environ.get("TORCHPASS_JOIN_TOKEN", ""), seed=ns.seed, max_restarts=ns.max_restarts,
+        health=HealthConfig(ns.health_source, ns.health_interval,
+                            HealthPolicy(temperature_warn_c=ns.temperature_warn,
+                                         temperature_migrate_c=ns.temperature_migrate)),
+        straggler_window=ns.straggler_window, straggler_factor=ns.straggler_factor,
+        straggler_migrate=ns.straggler_policy == "migrate", metrics_addr=ns.metrics_addr,
     )
     try:
         config.validate()

@@ -4,19 +4,22 @@
 logical rank 1 SIGKILL itself at step 5 while the gradient all-reduce is in flight, and so on. Each
 fault fires once per run (a marker file in the run directory), so the spare that replays the step does
 not fail again. Actions: ``kill`` (SIGKILL), ``stop`` (SIGSTOP: a hang), ``exit`` (``os._exit(3)``),
-``raise`` (an exception in the training process). Phases: ``boundary`` (start of the step), ``reduce``
-(gradient all-reduce issued, not yet complete), ``commit`` (reduced, not yet committed), ``optimizer``
-(the optimizer has applied the committed update; Lightning's step bookkeeping has not run yet).
+``raise`` (an exception in the training process), ``slow`` (from then on, this process sleeps ``seconds``
+at every step boundary: a straggler; the spare that replaces it is not slow). Phases: ``boundary``
+(start of the step), ``reduce`` (gradient all-reduce issued, not yet complete), ``commit`` (reduced, not
+yet committed), ``optimizer`` (the optimizer has applied the committed update; Lightning's step
+bookkeeping has not run yet).
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
-ACTIONS = ("kill", "stop", "exit", "raise")
+ACTIONS = ("kill", "stop", "exit", "raise", "slow")
 PHASES = ("boundary", "reduce", "commit", "optimizer")
 
 
@@ -26,12 +29,14 @@ class Fault:
     rank: int
     step: int
     phase: str = "boundary"
+    seconds: float = 0.0  # ``slow``: the sleep per step
 
     @classmethod
     def parse(cls, text: str) -> Fault:
         action, _, rest = text.strip().partition("@")
         fields = dict(part.split("=", 1) for part in rest.split(",") if part)
-        fault = cls(action, int(fields["rank"]), int(fields["step"]), fields.get("phase", "boundary"))
+        fault = cls(action, int(fields["rank"]), int(fields["step"]), fields.get("phase", "boundary"),
+                    float(fields.get("seconds", 0)))
         if fault.action not in ACTIONS or fault.phase not in PHASES:
             raise ValueError(f"bad fault {text!r}: actions {ACTIONS}, phases {PHASES}")
         return fault
@@ -44,6 +49,7 @@ def _load() -> list[Fault]:
 
 _FAULTS = _load()
 _where = (-1, -1)
+_slow = 0.0  # seconds this process sleeps per step boundary, once a ``slow`` fault fired in it
 
 
 def at(rank: int, step: int) -> None:
@@ -59,6 +65,8 @@ def point(phase: str) -> None:
     for index, fault in enumerate(_FAULTS):
         if (fault.rank, fault.step, fault.phase) == (*_where, phase) and _claim(index):
             _fire(fault)
+    if _slow and phase == "boundary":
+        time.sleep(_slow)
 
 
 def _claim(index: int) -> bool:
@@ -72,6 +80,10 @@ def _claim(index: int) -> bool:
 
 
 def _fire(fault: Fault) -> None:
+    global _slow
+    if fault.action == "slow":
+        _slow = fault.seconds
+        return
     if fault.action == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
     elif fault.action == "stop":

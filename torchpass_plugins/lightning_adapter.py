@@ -72,6 +72,8 @@ class LightningAdapter:
         def advance(data_fetcher) -> None:
             if loop.batch_progress.current.ready % trainer.accumulate_grad_batches == 0:
                 runtime.boundary(trainer.global_step)
+                if runtime.drain_due(trainer.global_step) is not None:
+                    runtime.carry_out_drain(trainer.global_step)
             original(data_fetcher)
 
         loop.advance = advance

@@ -67,6 +67,9 @@ LEAVING = 1 << 40  # added to a heartbeat counter by a worker on its way out: no
 INBOX = "inbox"  # the coordinator's one input queue: JSON messages {"join": w} / {"exit": w, ...} / {"stop": 1}
 ABORT_KEY = "abort"
 RESTART_KEY = "restart"  # set instead of ABORT_KEY when the agents are to restart every worker
+# The newest planned migration, ``{"id", "rank", "worker", "why"}``, set by the coordinator. Workers act on
+# it only while ``worker`` still holds ``rank`` in their roster, so a notice already carried out is inert.
+DRAIN_KEY = "drain"
 # Set by a rank that passed the barrier ending ``fit``: from then on every rank has finished training, so a
 # worker lost afterwards (in the script's code after ``fit``, or at exit) is not replaced.
 TRAINED_KEY = "trained"
@@ -138,6 +141,9 @@ class WorkerEnv:
     seed: int
     heartbeat_interval: float
     attempt: int = 0  # restarts of the whole job so far
+    straggler_window: int = 50  # steps per straggler verdict (0: no detection)
+    straggler_factor: float = 1.5  # flagged when its compute time per step exceeds the median by this factor
+    straggler_migrate: bool = False  # move a flagged rank to a spare (else only log it)
 
     @classmethod
     def from_env(cls) -> WorkerEnv | None:
@@ -155,6 +161,9 @@ class WorkerEnv:
             seed=int(e["TORCHPASS_SEED"]),
             heartbeat_interval=float(e["TORCHPASS_HEARTBEAT_INTERVAL"]),
             attempt=int(e.get("TORCHPASS_ATTEMPT", "0")),
+            straggler_window=int(e.get("TORCHPASS_STRAGGLER_WINDOW", "50")),
+            straggler_factor=float(e.get("TORCHPASS_STRAGGLER_FACTOR", "1.5")),
+            straggler_migrate=e.get("TORCHPASS_STRAGGLER_MIGRATE", "0") == "1",
         )
 
     def to_env(self) -> dict[str, str]:
@@ -169,6 +178,9 @@ class WorkerEnv:
             "TORCHPASS_SEED": str(self.seed),
             "TORCHPASS_HEARTBEAT_INTERVAL": str(self.heartbeat_interval),
             "TORCHPASS_ATTEMPT": str(self.attempt),
+            "TORCHPASS_STRAGGLER_WINDOW": str(self.straggler_window),
+            "TORCHPASS_STRAGGLER_FACTOR": str(self.straggler_factor),
+            "TORCHPASS_STRAGGLER_MIGRATE": str(int(self.straggler_migrate)),
         }
 
 
@@ -191,6 +203,8 @@ class Member:
     latest_gen: int = field(init=False, default=-1)
     changed: threading.Event = field(init=False, default_factory=threading.Event)
     _stop: threading.Event = field(init=False, default_factory=threading.Event)
+    drain_notice: dict | None = field(init=False, default=None)  # the planned migration not yet carried out
+    _drained_id: int = field(init=False, default=0)
     _threads: list[threading.Thread] = field(init=False, default_factory=list)
 
     def __post_init__(self) -> None:
@@ -248,10 +262,21 @@ class Member:
             self.changed.set()
 
     def _beat(self) -> None:
+        """Heartbeats; and on the same connection, whether the coordinator asked for a planned migration
+        (one key check per beat: off the training thread, which reads only ``drain_notice``)."""
         store = self.thread_store()
         key = heartbeat_key(self.env.worker_id)
         while not self._stop.wait(self.env.heartbeat_interval):
             store.add(key, 1)
+            if self.drain_notice is None and store.check([DRAIN_KEY]):
+                notice = json.loads(store.get(DRAIN_KEY))  # never deleted: no wait
+                if notice["id"] > self._drained_id:
+                    self.drain_notice = notice
+
+    def drain_carried_out(self) -> None:
+        """Forget the notice (carried out, or found stale)."""
+        if self.drain_notice is not None:
+            self._drained_id, self.drain_notice = self.drain_notice["id"], None
 
     def _start(self, target, name: str) -> None:
         t = threading.Thread(target=target, name=name, daemon=True)

@@ -11,12 +11,14 @@ the others already completed; those at the target retry theirs. See ``docs/archi
 from __future__ import annotations
 
 import atexit
+import json
 import os
 import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
 import torch
@@ -25,16 +27,30 @@ import torch.distributed as dist
 from torchpass_plugins import faults, rng
 from torchpass_plugins.events import EventLog
 from torchpass_plugins.grad_buckets import GradientBuckets
-from torchpass_plugins.membership import TRAINED_KEY, JobAborted, Member, Unrecoverable, WorkerEnv, reached_key
+from torchpass_plugins.membership import (
+    INBOX,
+    TRAINED_KEY,
+    JobAborted,
+    Member,
+    Unrecoverable,
+    WorkerEnv,
+    reached_key,
+)
 from torchpass_plugins.state_transfer import recv_state, send_state
+from torchpass_plugins.stragglers import StepTimer, stragglers
 from torchpass_plugins.transport import PeerFailure, Transport
 
 T = TypeVar("T")
 _BEFORE_LOOP = (-1, -1)
+PROGRESS_EVERY_S = 0.5  # a ``progress`` event per rank at most this often: a timeline, not a firehose
 
 
 class SpareReleased(SystemExit):
     """The job ended while this worker waited as a spare: exit cleanly."""
+
+
+class Drained(SystemExit):
+    """This worker handed its logical rank to a spare (a planned migration): exit cleanly."""
 
 
 class Adapter(Protocol):
@@ -123,7 +139,8 @@ class Runtime:
         atexit.register(self.close)
         self.transport = Transport(self.member, timeout)
         self.side_transports: list[Transport] = []  # other groups of this process (e.g. shard replication)
-        self.events = EventLog(None)  # TorchPassCallback attaches the run's log
+        self.events = EventLog(Path(env.run_dir) / "events.jsonl", source=env.worker_id)
+        self._progress_logged = -float("inf")  # when the last ``progress`` event was written
         self.adapter: Adapter | None = None
         self.is_spare = False
         self.step, self.count = _BEFORE_LOOP
@@ -133,7 +150,11 @@ class Runtime:
         self._pending: tuple[int, list[int]] | None = None
         self.boundary_record: Any = None  # the adapter's snapshot at the last boundary
         self.seed_override: int | None = None
-        self.abort_hooks: list[Callable[[], None]] = []  # run before leaving an aborted job
+        self.leave_hooks: list[Callable[[], None]] = []  # run before leaving the job (aborted, or migrated)
+        self.timer = StepTimer(env.straggler_window)
+        self.drain: tuple[int, int, str] | None = None  # agreed planned migration: (boundary, rank, its worker)
+        self._judged = -1  # the step of the last straggler verdict
+        self._asked_to_move = False
         # run before the live training state is overwritten in memory (a rollback): e.g. a snapshot's
         # background copy of that state must finish first
         self.rollback_hooks: list[Callable[[], object]] = []
@@ -213,8 +234,10 @@ class Runtime:
                 buckets.complete(self.transport, issued=lambda: faults.point("reduce"))
                 reduced = True
                 faults.point("commit")
-                self.transport.all_reduce(torch.ones(1), what="commit vote")
+                signals = self.signals()  # the vote carries them: no extra collective per step
+                self.transport.all_reduce(signals, what="commit vote")
                 self._voted = self.adapter.applied_steps()
+                self.take_signals(signals, self.step, drain_at=self.step + 1)
                 return
             except PeerFailure as exc:
                 if self._recover(pos, reduced=reduced, cause=str(exc)):
@@ -233,6 +256,11 @@ class Runtime:
         """Start of optimizer step ``step``: reseed, record the snapshot, hand over a deferred state."""
         self.step, self.count, self.last_boundary = step, 0, step
         self._voted = -1
+        now = time.perf_counter()
+        self.timer.boundary(step, now, self.transport.waited)
+        if now - self._progress_logged >= PROGRESS_EVERY_S:
+            self._progress_logged = now
+            self.events.emit("progress", rank=self.rank, step=step)
         rng.reseed(self.seed, self.rank, step)
         faults.at(self.rank, step)
         faults.point("boundary")
@@ -280,6 +308,7 @@ class Runtime:
                 cause = str(exc)
                 continue
             self.target = agreement.target
+            self.timer.discard()
             self.events.emit(
                 "recovered",
                 rank=self.rank,
@@ -323,8 +352,81 @@ class Runtime:
             else:
                 self._pending = (a.entry_step, a.spares)
 
+    # -- signals: planned migrations and step times, carried by a collective each step makes anyway -----
+    def signals(self) -> torch.Tensor:
+        """This rank's row: a 1 at the index of a rank the coordinator asked to migrate (if this rank has
+        seen that notice), and this rank's median compute time per step at ``world_size + rank``."""
+        w = self.world_size
+        row = torch.zeros(2 * w, dtype=torch.float64)
+        notice = self.member.drain_notice
+        if notice is not None and self.member.roster(self.transport.gen).ranks[notice["rank"]] != notice["worker"]:
+            self.member.drain_carried_out()  # stale: that worker no longer holds the rank
+            notice = None
+        if notice is not None:
+            row[notice["rank"]] = 1
+        row[w + self.rank] = self.timer.median
+        return row
+
+    def take_signals(self, total: torch.Tensor, step: int, drain_at: int) -> None:
+        """``total``: the sum of every rank's :meth:`signals` at step ``step``, the same on every rank, so
+        every rank takes the same decisions: the migration (at boundary ``drain_at``) and the verdict."""
+        w = self.world_size
+        asked = torch.nonzero(total[:w]).flatten().tolist()
+        if asked and self.drain is None:
+            self.drain = (drain_at, asked[0], self.member.roster(self.transport.gen).ranks[asked[0]])
+        window = self.timer.window
+        if window and step and step % window == 0 and self._judged != step:
+            self._judged = step
+            self._judge(total[w:].tolist(), step)
+
+    def _judge(self, medians: list[float], step: int) -> None:
+        slow = stragglers(medians, self.env.straggler_factor)
+        if not slow:
+            return
+        if self.rank == 0:  # one record for the job
+            self.events.emit("straggler", ranks=slow, step=step, window=self.timer.window,
+                             compute_s=medians, factor=self.env.straggler_factor)
+        if self.rank in slow and self.env.straggler_migrate and not self._asked_to_move:
+            self._asked_to_move = True
+            typical = sorted(medians)[len(medians) // 2]
+            self.member.store.queue_push(INBOX, json.dumps({
+                "migrate": self.env.worker_id,
+                "why": f"straggler: rank {self.rank} computes {medians[self.rank] / typical:.2f}x the median step",
+            }))
+
+    def drain_due(self, step: int) -> int | None:
+        """The logical rank that moves to a spare at this boundary, if one does. A migration whose worker
+        was lost meanwhile (and replaced by a recovery) is dropped: its rank has moved already."""
+        if self.drain is None or self.drain[0] != step:
+            return None
+        _, rank, worker = self.drain
+        if self.member.roster(self.transport.gen).ranks[rank] != worker:
+            self.drain = None
+            self.member.drain_carried_out()
+            return None
+        return rank
+
+    def carry_out_drain(self, step: int) -> None:
+        """At the agreed boundary: the moving rank leaves; the others rebuild the group with the spare."""
+        rank = self.drain[1]
+        self.drain = None
+        self.member.drain_carried_out()
+        if rank == self.rank:
+            self.leave(step)
+        self._recover((step, 0), reduced=False, cause=f"planned migration of rank {rank}")
+
+    def leave(self, step: int) -> None:
+        """The moving rank, at a step boundary: tell the coordinator (which promotes the reserved spare),
+        land what is in flight, and exit. Its state goes to the spare from a peer at this boundary."""
+        self.member.store.queue_push(INBOX, json.dumps({"drained": self.env.worker_id}))
+        self.events.emit("drained", rank=self.rank, worker=self.env.worker_id, step=step)
+        for hook in self.leave_hooks:
+            hook()
+        raise Drained(0)
+
     def training_complete(self, step: int) -> None:
         """Past the barrier that ends ``fit``: every rank has finished training (see ``TRAINED_KEY``)."""
+        self.events.emit("progress", rank=self.rank, step=step)
         self.member.store.set(TRAINED_KEY, str(step))
 
     def _applied(self) -> int:
@@ -336,7 +438,7 @@ class Runtime:
         from)."""
         if self._applied() >= 0:
             self.member.store.set(reached_key(self.rank), str(self._applied()))
-        for hook in self.abort_hooks:
+        for hook in self.leave_hooks:
             try:
                 hook()
             except Exception as exc:  # leaving anyway

@@ -39,6 +39,7 @@ class Transport:
         self.rank = -1
         self.world_size = member.env.world_size
         self._escaped: list = []  # futures of operations that may still be pending (see _retire)
+        self.waited = 0.0  # seconds spent waiting for operations so far (straggler detection subtracts it)
 
     def stale(self) -> bool:
         return self.member.latest_gen > self.gen
@@ -105,10 +106,14 @@ class Transport:
     def _wait_future(self, fut, what: str):
         done = threading.Event()
         fut.add_done_callback(lambda _: done.set())
-        while not done.wait(_TICK):
-            if self.stale():
-                self._escaped.append(fut)
-                raise PeerFailure(f"{what}: generation {self.member.latest_gen} replaced {self.gen}")
+        t0 = time.perf_counter()
+        try:
+            while not done.wait(_TICK):
+                if self.stale():
+                    self._escaped.append(fut)
+                    raise PeerFailure(f"{what}: generation {self.member.latest_gen} replaced {self.gen}")
+        finally:
+            self.waited += time.perf_counter() - t0
         try:
             return fut.result() if isinstance(fut, Future) else fut.value()
         except Exception as exc:

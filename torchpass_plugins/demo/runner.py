@@ -18,6 +18,8 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from torchpass_plugins.report import report
+
 TRAIN = Path(__file__).with_name("train.py")
 WORLD = 3
 _SHOWN = {
@@ -124,4 +126,6 @@ def run_demo(steps: int = 60, run_dir: str = "torchpass_runs/demo") -> int:
     table.add_row(f"regain time (kill -> every rank past step {in_flight})", f"{regain:.2f} s")
     table.add_row("event log", str(failing.run_dir / "events.jsonl"))
     console.print(table)
+    console.rule("torchpass report " + str(failing.run_dir))
+    report(failing.run_dir, console)
     return 0 if identical and once else 1

@@ -8,6 +8,7 @@ see), and by default starts a fresh worker in the freed slot, which joins the sp
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 import os
 import secrets
@@ -22,6 +23,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from torchpass_plugins.events import EventLog
+from torchpass_plugins.health import HealthConfig
 from torchpass_plugins.launcher.coordinator import DONE_KEY, Coordinator
 from torchpass_plugins.membership import (
     ABORT_KEY,
@@ -35,6 +37,7 @@ from torchpass_plugins.membership import (
     heartbeat_key,
     prefixed,
 )
+from torchpass_plugins.metrics import serve
 
 _TICK = 0.05
 _AGENTS_DONE = "agents_done"
@@ -57,6 +60,11 @@ class LaunchConfig:
     token: str = ""
     seed: int | None = None
     max_restarts: int = 3
+    health: HealthConfig = field(default_factory=HealthConfig)
+    straggler_window: int = 50
+    straggler_factor: float = 1.5
+    straggler_migrate: bool = False
+    metrics_addr: str | None = None  # HOST:PORT of node 0's Prometheus endpoint
 
     @property
     def processes(self) -> int:
@@ -88,6 +96,17 @@ class LaunchConfig:
             raise ValueError("multi-node jobs need a fixed --rdzv-endpoint HOST:PORT reachable from every node")
         if not self.command:
             raise ValueError("no training script given")
+        if self.straggler_window < 0 or self.straggler_factor <= 1.0:
+            raise ValueError("--straggler-window must be >= 0 (0: off) and --straggler-factor > 1")
+        if self.health.interval_s <= 0:
+            raise ValueError("--health-interval must be > 0")
+        if self.metrics_addr is not None:
+            if importlib.util.find_spec("prometheus_client") is None:
+                raise ValueError("--metrics-addr needs prometheus-client: pip install 'torchpass-plugins[metrics]'")
+            if not self.metrics_addr.rpartition(":")[2].isdigit():
+                raise ValueError(f"--metrics-addr must be HOST:PORT, not {self.metrics_addr!r}")
+        if self.health.source not in ("nvml", "off") and not self.health.source.startswith("file:"):
+            raise ValueError(f"--health-source must be nvml, file:PATH or off, not {self.health.source!r}")
 
 
 @dataclass
@@ -114,6 +133,8 @@ class Agent:
         self._signal: int | None = None
         self.attempt = 0  # restarts of the whole job so far
         self._coordinator_thread: threading.Thread | None = None
+        self.unhealthy: set[int] = set()  # slots whose device the health watch moved work off: never refilled
+        self._done = threading.Event()
 
     def run(self) -> int:
         cfg = self.config
@@ -129,9 +150,15 @@ class Agent:
                          spares=cfg.spares, world_size=cfg.world_size)
         for slot in self.slots:
             self._spawn(slot)
+        watch = threading.Thread(target=self._watch_health, name="torchpass-health", daemon=True)
+        watch.start()
+        metrics = serve(cfg.metrics_addr, cfg.run_dir) if cfg.metrics_addr and cfg.node_rank == 0 else None
         try:
             code = self._supervise()
         finally:
+            self._done.set()
+            if metrics is not None:
+                metrics.shutdown()
             self._kill_all()
             self.store.add(_AGENTS_DONE, 1)
             if cfg.node_rank == 0:
@@ -181,6 +208,8 @@ class Agent:
             store=self.endpoint, token=self.token, worker_id=slot.worker_id, world_size=cfg.world_size,
             node_rank=cfg.node_rank, local_slot=slot.index, run_dir=str(Path(cfg.run_dir).resolve()),
             seed=self.seed, heartbeat_interval=cfg.heartbeat_interval, attempt=self.attempt,
+            straggler_window=cfg.straggler_window, straggler_factor=cfg.straggler_factor,
+            straggler_migrate=cfg.straggler_migrate,
         )
         slot.proc = subprocess.Popen(
             [sys.executable, "-u", *cfg.command],
@@ -224,7 +253,8 @@ class Agent:
                 self._report_exit(slot, code)
                 slot.proc = None
                 next_check = 0.0  # look at the verdict soon after an exit
-                if code not in (0, CONFIG_ERROR_EXIT, UNRECOVERABLE_EXIT) and cfg.refill and not done:
+                refill = cfg.refill and not done and slot.index not in self.unhealthy
+                if code not in (0, CONFIG_ERROR_EXIT, UNRECOVERABLE_EXIT) and refill:
                     slot.incarnation += 1
                     self._spawn(slot)
                     alive += 1
@@ -247,6 +277,37 @@ class Agent:
         if outcome != "done":
             print(f"torchpass: job ended without success: {outcome}", file=sys.stderr, flush=True)
         return 0 if outcome == "done" else 1
+
+    # -- device health --------------------------------------------------------------------------------
+    def _watch_health(self) -> None:
+        """Every interval: read the device of each slot (slot i uses GPU i, as its local rank says) and
+        act on the policy: log a warning, or ask the coordinator to move the slot's worker to a spare."""
+        health = self.config.health
+        source = health.open()
+        if source is None:
+            return
+        warned: dict[tuple[int, str], float] = {}
+        try:
+            while not self._done.wait(health.interval_s):
+                slots = [s for s in self.slots if s.proc is not None and s.index not in self.unhealthy]
+                for slot, reading in zip(slots, source.read([s.index for s in slots]), strict=True):
+                    for action, why in health.policy.evaluate(reading):
+                        if action == "migrate":
+                            self._move_off(slot, why)
+                            break
+                        kind = why.split(" (")[0].split(" at ")[0]
+                        if time.monotonic() - warned.get((slot.index, kind), -1e9) > 60:
+                            warned[(slot.index, kind)] = time.monotonic()
+                            self.events.emit("health_warning", worker=slot.worker_id, device=slot.index, why=why)
+        finally:
+            source.close()
+
+    def _move_off(self, slot: _Slot, why: str) -> None:
+        self.unhealthy.add(slot.index)
+        self.events.emit("health_migrate", worker=slot.worker_id, device=slot.index, why=why)
+        print(f"torchpass: moving worker {slot.worker_id} off its device: {why}", file=sys.stderr, flush=True)
+        store = prefixed(self._client.clone(), self.attempt)  # this thread's own connection
+        store.queue_push(INBOX, json.dumps({"migrate": slot.worker_id, "why": why}))
 
     def _check_heartbeat(self, slot: _Slot) -> None:
         beats = int(self.store.add(heartbeat_key(slot.worker_id), 0))

@@ -19,6 +19,7 @@ from torchpass_plugins.events import EventLog
 from torchpass_plugins.membership import (
     ABORT_KEY,
     CONFIG_ERROR_EXIT,
+    DRAIN_KEY,
     INBOX,
     RESTART_KEY,
     TRAINED_KEY,
@@ -40,6 +41,16 @@ def slot_order(worker_id: str) -> tuple[int, int, int]:
     return node, slot, inc
 
 
+@dataclass(frozen=True)
+class Move:
+    """A planned migration: ``worker`` hands logical rank ``rank`` to the reserved ``spare``."""
+
+    rank: int
+    worker: str
+    spare: str
+    why: str
+
+
 @dataclass
 class Coordinator:
     store: dist.Store
@@ -54,6 +65,9 @@ class Coordinator:
     outcome: str | None = None  # "done" or the abort message
     ranks_before: list[str] | None = None  # the last published roster's workers
     restarts_left: int = 0  # a failure no spare can fix restarts the job this many more times
+    moving: Move | None = None  # the planned migration in progress
+    _moves: int = 0
+    _left: set[str] = field(default_factory=set)  # left for a migration that could not happen
     _waiting: list[str] = field(default_factory=list)
 
     def run(self) -> None:
@@ -61,12 +75,12 @@ class Coordinator:
         self.store.set_timeout(_FOREVER)
         while True:
             first = self.store.queue_pop(INBOX, block=True)
-            if not self.handle([first, *self._drain()]):
+            if not self.handle([first, *self._pop_all()]):
                 return
 
     def poll(self) -> None:
         """Handle the messages waiting now (tests drive the coordinator this way)."""
-        self.handle(self._drain())
+        self.handle(self._pop_all())
 
     def handle(self, raw: list[bytes]) -> bool:
         """Joins first, then exits; the ranks lost in one batch are replaced by one roster. False on ``stop``."""
@@ -74,6 +88,11 @@ class Coordinator:
         for m in messages:
             if "join" in m:
                 self._on_join(m["join"])
+        for m in messages:  # a moving worker's "drained" precedes its exit, which is then no failure
+            if "migrate" in m:
+                self._on_migrate(m["migrate"], m.get("why", ""))
+            elif "drained" in m:
+                self._on_drained(m["drained"])
         lost: list[int] = []
         for m in messages:
             if "exit" in m:
@@ -82,7 +101,7 @@ class Coordinator:
             self._replace(lost)
         return not any("stop" in m for m in messages)
 
-    def _drain(self) -> list[bytes]:
+    def _pop_all(self) -> list[bytes]:
         items = []
         while self.store.queue_len(INBOX) > 0:
             items.append(self.store.queue_pop(INBOX, block=False))
@@ -106,7 +125,44 @@ class Coordinator:
         else:
             self.store.set(assign_key(worker_id), json.dumps({"exit": self.outcome}))
 
+    def _on_migrate(self, worker_id: str, why: str) -> None:
+        """A health warning or a straggler verdict: move the worker's rank to a spare at a step boundary
+        (the ranks agree on which one); a spare on a suspect device just leaves the pool."""
+        if self.outcome is not None:
+            return
+        if worker_id in self.spares:
+            self.spares.remove(worker_id)
+            self.store.set(assign_key(worker_id), json.dumps({"exit": f"retired: {why}"}))
+            self.events.emit("spare_retired", worker=worker_id, why=why, spares=len(self.spares))
+            return
+        if worker_id not in self.ranks:
+            return
+        rank = self.ranks.index(worker_id)
+        if self.moving is not None or not self.spares:
+            reason = "another migration is in progress" if self.moving else "no spare left"
+            self.events.emit("migration_refused", worker=worker_id, rank=rank, why=why, reason=reason)
+            return
+        self.moving = Move(rank, worker_id, self.spares.popleft(), why)
+        self._moves += 1
+        self.store.set(DRAIN_KEY, json.dumps({"id": self._moves, "rank": rank, "worker": worker_id, "why": why}))
+        self.events.emit("migration_requested", worker=worker_id, rank=rank, spare=self.moving.spare, why=why)
+
+    def _on_drained(self, worker_id: str) -> None:
+        """The moving worker left at the agreed boundary: promote the reserved spare to its rank."""
+        move = self.moving
+        if move is None or move.worker != worker_id or self.outcome is not None:
+            self._left.add(worker_id)  # its spare was lost meanwhile: its exit is a loss like any other
+            return
+        self.moving = None
+        self.ranks[move.rank] = move.spare
+        self._publish(Roster(self.gen + 1, tuple(self.ranks), reason=f"migrate rank {move.rank}: {move.why}"),
+                      {move.spare: move.rank})
+
     def _on_exit(self, worker_id: str, code: int, why: str, lost: list[int]) -> None:
+        if self.moving is not None and worker_id in (self.moving.worker, self.moving.spare):
+            if worker_id == self.moving.worker:
+                self.spares.appendleft(self.moving.spare)  # a failure before the boundary: no move
+            self.moving = None
         if worker_id in self.spares:
             self.spares.remove(worker_id)
             self.events.emit("spare_lost", worker=worker_id, code=code, spares=len(self.spares))
@@ -120,7 +176,7 @@ class Coordinator:
         if code == UNRECOVERABLE_EXIT:
             self._abort(self.store.get(abort_request_key(worker_id)).decode(), restartable=True)
             return
-        if code == 0:
+        if code == 0 and worker_id not in self._left:
             self.finished.add(rank)
             if len(self.finished) == self.world_size:
                 self._finish("done")
@@ -179,6 +235,9 @@ class Coordinator:
         self.events.emit("job_finished", outcome=outcome)
 
     def _release_spares(self, outcome: str) -> None:
+        if self.moving is not None:  # the job ended before the move
+            self.spares.append(self.moving.spare)
+            self.moving = None
         for spare in self.spares:
             self.store.set(assign_key(spare), json.dumps({"exit": outcome}))
 

@@ -106,10 +106,13 @@ class TorchPassDDPStrategy(ParallelStrategy):
             )
         rank_zero_only.rank = fabric_rank_zero_only.rank = self.global_rank
         super().setup_environment()
-        self.runtime.adapter = self.adapter
+        rt = self.runtime
+        rt.adapter = self.adapter
+        rt.events.source = f"rank{rt.rank}"
         for callback in self.lightning_module.trainer.callbacks:
             if isinstance(callback, TorchPassCallback):
-                callback.attach(self.runtime)
+                callback.attach(rt)
+        rt.events.emit("worker_ready", worker=rt.env.worker_id, rank=rt.rank, spare=rt.is_spare)
         self._connect()
 
     def _connect(self) -> None:

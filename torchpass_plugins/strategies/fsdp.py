@@ -264,15 +264,47 @@ class TorchPassFSDPStrategy(TorchPassDDPStrategy):
         self._entering = False
         self.runtime.boundary(step)
         self._raise_if_failed()
+        self._exchange_signals(step)
+        moving = self.runtime.drain_due(step)
+        if moving is not None:
+            self._carry_out_drain(step, moving)
+            return self._boundary(step)  # again, with the spare: its first boundary makes the same collectives
         self._fetcher.tag = step
         self._fenced = False
         self._replicate(step, wait=False)
         self._fetcher.forget_before(min(self.replicator.own, default=step))
 
-    def _replicate(self, step: int, wait: bool) -> None:
-        """Start the replication round of boundary ``step`` if one is due (and wait for it); a failure
-        poisons the relay like any failed collective."""
-        if not self.replicator.due(step):
+    def _exchange_signals(self, step: int) -> None:
+        """Planned migrations and step times (:meth:`Runtime.signals`): one small all-reduce per step, the
+        only collective of the boundary (DDP carries them on its commit vote instead)."""
+        signals = self.runtime.signals()
+        try:
+            self.runtime.transport.all_reduce(signals, what="step signals")
+        except PeerFailure as exc:
+            self.relay.poisoned = str(exc)
+            self._raise_if_failed()
+        self.runtime.take_signals(signals, step, drain_at=step)
+
+    def _carry_out_drain(self, step: int, rank: int) -> None:
+        """A planned migration at this boundary: first every shard of this boundary is on its ring
+        successor (a forced round), so the spare starts from this very step: nothing is rolled back."""
+        self._replicate(step, wait=True, force=True)
+        try:  # every rank's round is complete (its successor holds the shard) before the moving rank leaves
+            self.runtime.transport.barrier()
+        except PeerFailure as exc:
+            self.relay.poisoned = str(exc)
+        if self.relay.poisoned is not None:  # a real failure meanwhile (a newer roster alone is the move)
+            raise StepFailed(self.relay.poisoned)
+        self.runtime.drain = None
+        self.runtime.member.drain_carried_out()
+        if rank == self.runtime.rank:
+            self.runtime.leave(step)
+        self._recover(f"planned migration of rank {rank}")
+
+    def _replicate(self, step: int, wait: bool, force: bool = False) -> None:
+        """Start the replication round of boundary ``step`` if one is due or ``force``d (and wait for
+        it); a failure poisons the relay like any failed collective."""
+        if not (force or self.replicator.due(step)):
             return
         try:
             self.replicator.start_round(step, self._capture(), self._host_now())

@@ -1,0 +1,28 @@
+"""The optional Prometheus endpoint: metrics folded from the event log, scraped over real HTTP."""
+
+from __future__ import annotations
+
+import urllib.request
+
+from jobs import free_port
+
+from torchpass_plugins.events import EventLog
+from torchpass_plugins.metrics import serve
+
+
+def test_the_endpoint_serves_what_the_event_log_says(tmp_path):
+    log = EventLog(tmp_path / "events.jsonl", source="agent0")
+    log.emit("failure_detected", worker="n0-s1-i0", rank=1, code=-9, why="signal 9", gen=0)
+    log.emit("roster_published", gen=1, ranks=["a", "b"], promoted={"b": 1}, spares=0, reason="replace rank(s) [1]")
+    address = f"127.0.0.1:{free_port()}"
+    server = serve(address, tmp_path)
+    try:
+        log.emit("progress", rank=1, step=7)
+        body = urllib.request.urlopen(f"http://{address}/metrics", timeout=10).read().decode()
+        assert 'torchpass_events_total{event="failure_detected"} 1.0' in body
+        assert 'torchpass_step{rank="1"} 7.0' in body and "torchpass_spares 0.0" in body
+        log.emit("failure_detected", worker="n0-s2-i0", rank=2, code=-9, why="signal 9", gen=1)
+        body = urllib.request.urlopen(f"http://{address}/metrics", timeout=10).read().decode()
+        assert 'torchpass_events_total{event="failure_detected"} 2.0' in body  # each line counted once
+    finally:
+        server.shutdown()

@@ -1,0 +1,228 @@
+"""Device health: readings from NVML (or an injected source), and the policy that turns them into actions.
+
+The per-node agent owns the watch (it outlives its workers). A :class:`HealthSource` reads one
+:class:`DeviceHealth` per device; :class:`HealthPolicy` maps a reading to ``warn`` or ``migrate``.
+:class:`NvmlHealthSource` reads real GPUs through ``pynvml``; :class:`FileHealthSource` reads a JSON file
+that tests and drills write (``{"1": {"temperature_c": 95}}`` is "GPU 1 is at 95 C"), so the whole path
+runs on a machine without GPUs.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from types import ModuleType
+from typing import Any, Literal
+
+log = logging.getLogger(__name__)
+
+Action = Literal["warn", "migrate"]
+# XIDs that mean the GPU itself is failing (NVIDIA's XID catalogue: double-bit ECC, fallen off the bus,
+# row-remapping failure, uncontained ECC, GSP errors): a worker on it should move.
+CRITICAL_XIDS = (48, 63, 64, 74, 79, 92, 94, 95, 119, 120)
+
+
+class HealthUnavailable(RuntimeError):
+    """The source cannot read anything on this machine (no NVML library, no driver)."""
+
+
+@dataclass(frozen=True)
+class DeviceHealth:
+    """One reading of one device; ``None`` where the device or driver does not report the value."""
+
+    device: int
+    temperature_c: float | None = None
+    ecc_uncorrected_volatile: int | None = None
+    ecc_uncorrected_aggregate: int | None = None
+    retired_pages_pending: bool | None = None
+    remapped_rows_pending: bool | None = None
+    xids: tuple[int, ...] = ()  # XID events since the previous reading
+    throttle_reasons: int | None = None  # NVML clocks-event bitmask
+    power_w: float | None = None
+    recovery_action: int | None = None  # NVML's GPU recovery action (0: none needed)
+
+    @classmethod
+    def from_dict(cls, device: int, values: dict[str, Any]) -> DeviceHealth:
+        known = {f.name for f in fields(cls)} - {"device"}
+        unknown = set(values) - known
+        if unknown:
+            raise ValueError(f"unknown health fields {sorted(unknown)}; known: {sorted(known)}")
+        values = dict(values)
+        if "xids" in values:
+            values["xids"] = tuple(values["xids"])
+        return cls(device=device, **values)
+
+
+class HealthSource(ABC):
+    @abstractmethod
+    def read(self, devices: list[int]) -> list[DeviceHealth]:
+        """A reading of each of ``devices`` (indices as the workers see them)."""
+
+    def close(self) -> None:  # noqa: B027  (most sources hold nothing)
+        """Release what the source holds."""
+
+
+class FileHealthSource(HealthSource):
+    """Readings from a JSON file ``{"<device>": {field: value}}``; devices not in it read as healthy."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+
+    def read(self, devices: list[int]) -> list[DeviceHealth]:
+        try:
+            data = json.loads(self.path.read_text()) if self.path.exists() else {}
+        except (OSError, ValueError) as exc:  # being rewritten: read it next time
+            log.debug("torchpass: health file %s unreadable: %s", self.path, exc)
+            data = {}
+        return [DeviceHealth.from_dict(d, data.get(str(d), {})) for d in devices]
+
+
+class NvmlHealthSource(HealthSource):
+    """Reads GPUs through NVML. ``nvml`` is the ``pynvml`` module (a fake one in tests)."""
+
+    def __init__(self, nvml: ModuleType | None = None) -> None:
+        if nvml is None:
+            import pynvml as nvml
+        self.nvml = nvml
+        try:
+            nvml.nvmlInit()
+        except nvml.NVMLError as exc:
+            raise HealthUnavailable(f"NVML is not available ({exc})") from exc
+        self.count = nvml.nvmlDeviceGetCount()
+        self._events = None
+        try:
+            self._events = nvml.nvmlEventSetCreate()
+            for index in range(self.count):
+                handle = nvml.nvmlDeviceGetHandleByIndex(index)
+                nvml.nvmlDeviceRegisterEvents(handle, nvml.nvmlEventTypeXidCriticalError, self._events)
+        except nvml.NVMLError as exc:  # e.g. not supported on this GPU or driver: no XIDs, the rest works
+            log.info("torchpass: NVML XID events unavailable (%s)", exc)
+
+    def _value(self, fn, *args) -> Any:
+        try:
+            return fn(*args)
+        except self.nvml.NVMLError:  # NotSupported, NoPermission, ...: this value is unknown
+            return None
+
+    def _xids(self) -> dict[int, list[int]]:
+        found: dict[int, list[int]] = {}
+        if self._events is None:
+            return found
+        nvml = self.nvml
+        while True:
+            try:
+                data = nvml.nvmlEventSetWait_v2(self._events, 0)
+            except nvml.NVMLError:  # NVMLError_Timeout: no more events
+                return found
+            index = self._value(nvml.nvmlDeviceGetIndex, data.device)
+            if index is not None:
+                found.setdefault(index, []).append(int(data.eventData))
+
+    def read(self, devices: list[int]) -> list[DeviceHealth]:
+        nvml, xids, out = self.nvml, self._xids(), []
+        for device in devices:
+            if device >= self.count:
+                out.append(DeviceHealth(device))
+                continue
+            h = nvml.nvmlDeviceGetHandleByIndex(device)
+            power = self._value(nvml.nvmlDeviceGetPowerUsage, h)
+            pending_pages = self._value(nvml.nvmlDeviceGetRetiredPagesPendingStatus, h)
+            remap = self._value(nvml.nvmlDeviceGetRemappedRows, h)  # (corr, unc, pending, failure)
+            out.append(DeviceHealth(
+                device=device,
+                temperature_c=self._value(nvml.nvmlDeviceGetTemperature, h, nvml.NVML_TEMPERATURE_GPU),
+                ecc_uncorrected_volatile=self._value(nvml.nvmlDeviceGetTotalEccErrors, h,
+                                                     nvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, nvml.NVML_VOLATILE_ECC),
+                ecc_uncorrected_aggregate=self._value(nvml.nvmlDeviceGetTotalEccErrors, h,
+                                                      nvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED,
+                                                      nvml.NVML_AGGREGATE_ECC),
+                retired_pages_pending=None if pending_pages is None else bool(pending_pages),
+                remapped_rows_pending=None if remap is None else bool(remap[2]),
+                xids=tuple(xids.get(device, ())),
+                throttle_reasons=self._value(nvml.nvmlDeviceGetCurrentClocksEventReasons, h),
+                power_w=None if power is None else power / 1000.0,
+                recovery_action=self._recovery_action(h),
+            ))
+        return out
+
+    def _recovery_action(self, handle) -> int | None:
+        """The driver's recommended recovery action, where this pynvml and driver offer it."""
+        nvml = self.nvml
+        if not hasattr(nvml, "NVML_FI_DEV_GET_GPU_RECOVERY_ACTION"):
+            return None
+        values = self._value(nvml.nvmlDeviceGetFieldValues, handle, [nvml.NVML_FI_DEV_GET_GPU_RECOVERY_ACTION])
+        if not values or values[0].nvmlReturn != nvml.NVML_SUCCESS:
+            return None
+        return int(values[0].value.uiVal)
+
+    def close(self) -> None:
+        if self._events is not None:
+            self._value(self.nvml.nvmlEventSetFree, self._events)
+        self._value(self.nvml.nvmlShutdown)
+
+
+@dataclass(frozen=True)
+class HealthPolicy:
+    """Thresholds: a reading past a ``*_migrate`` threshold moves the worker off the device; past a
+    ``*_warn`` threshold it is logged. ``None`` turns a check off."""
+
+    temperature_warn_c: float | None = 85.0
+    temperature_migrate_c: float | None = 92.0
+    ecc_uncorrected_migrate: int | None = 1  # volatile uncorrectable ECC errors since boot
+    migrate_on_pending_retirement: bool = True  # retired pages or remapped rows waiting for a reset
+    migrate_xids: tuple[int, ...] = CRITICAL_XIDS
+    power_warn_w: float | None = None
+    migrate_on_recovery_action: bool = True  # the driver asks for a reset or reboot
+
+    def evaluate(self, h: DeviceHealth) -> list[tuple[Action, str]]:
+        """The actions a reading calls for, each with the reason to log."""
+        out: list[tuple[Action, str]] = []
+
+        def over(value, limit) -> bool:
+            return value is not None and limit is not None and value >= limit
+
+        hot = f"GPU {h.device} at {h.temperature_c} C"
+        if over(h.temperature_c, self.temperature_migrate_c):
+            out.append(("migrate", f"{hot} (migrate at {self.temperature_migrate_c} C)"))
+        elif over(h.temperature_c, self.temperature_warn_c):
+            out.append(("warn", f"{hot} (warn at {self.temperature_warn_c} C)"))
+        if over(h.ecc_uncorrected_volatile, self.ecc_uncorrected_migrate):
+            out.append(("migrate", f"GPU {h.device}: {h.ecc_uncorrected_volatile} uncorrectable ECC error(s)"))
+        if self.migrate_on_pending_retirement and (h.retired_pages_pending or h.remapped_rows_pending):
+            out.append(("migrate", f"GPU {h.device}: memory page retirement / row remapping pending"))
+        critical = [x for x in h.xids if x in self.migrate_xids]
+        if critical:
+            out.append(("migrate", f"GPU {h.device}: XID {', '.join(map(str, critical))}"))
+        elif h.xids:
+            out.append(("warn", f"GPU {h.device}: XID {', '.join(map(str, h.xids))}"))
+        if over(h.power_w, self.power_warn_w):
+            out.append(("warn", f"GPU {h.device} draws {h.power_w:g} W (warn at {self.power_warn_w:g})"))
+        if self.migrate_on_recovery_action and h.recovery_action:
+            out.append(("migrate", f"GPU {h.device}: the driver asks for recovery action {h.recovery_action}"))
+        return out
+
+
+@dataclass
+class HealthConfig:
+    """``source``: ``nvml`` (default), ``file:PATH`` (injected readings), or ``off``."""
+
+    source: str = "nvml"
+    interval_s: float = 5.0
+    policy: HealthPolicy = field(default_factory=HealthPolicy)
+
+    def open(self) -> HealthSource | None:
+        """The configured source, or None (with one log line saying why) when the watch is off."""
+        if self.source == "off":
+            return None
+        if self.source.startswith("file:"):
+            return FileHealthSource(self.source[len("file:"):])
+        if self.source != "nvml":
+            raise ValueError(f"health source must be 'nvml', 'file:PATH' or 'off', not {self.source!r}")
+        try:
+            return NvmlHealthSource()
+        except (HealthUnavailable, ImportError) as exc:
+            log.warning("torchpass: GPU health watch off: %s", exc)
+            return None
