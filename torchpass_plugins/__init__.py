@@ -1,18 +1,67 @@
 """torchpass-plugins: hot spares and live recovery for PyTorch Lightning and Accelerate.
 
-Importing the package registers the strategy names (Lightning has no entry point for strategies).
+Importing the package registers the strategy names (Lightning has no entry point for strategies): at once
+if Lightning is imported already, else as soon as ``lightning.pytorch`` has been imported. So processes
+that never train (the ``torchpass`` launcher, which supervises workers) do not pay for importing
+Lightning, and the public classes are loaded when first used.
 """
 
-from lightning.pytorch.strategies import StrategyRegistry
+from __future__ import annotations
 
-from torchpass_plugins.callback import TorchPassCallback
-from torchpass_plugins.environment import TorchPassEnvironment
-from torchpass_plugins.strategies import TorchPassDDPStrategy, TorchPassFSDPStrategy
+import importlib
+import importlib.abc
+import importlib.util
+import sys
+from typing import Any
 
 __version__ = "0.1.0"
 
-for _strategy in (TorchPassDDPStrategy, TorchPassFSDPStrategy):
-    if _strategy.strategy_name not in StrategyRegistry:
-        _strategy.register_strategies(StrategyRegistry)
+_EXPORTS = {
+    "TorchPassCallback": "torchpass_plugins.callback",
+    "TorchPassDDPStrategy": "torchpass_plugins.strategies",
+    "TorchPassFSDPStrategy": "torchpass_plugins.strategies",
+    "TorchPassEnvironment": "torchpass_plugins.environment",
+}
+__all__ = [*_EXPORTS, "__version__"]
 
-__all__ = ["TorchPassCallback", "TorchPassDDPStrategy", "TorchPassEnvironment", "TorchPassFSDPStrategy", "__version__"]
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'torchpass_plugins' has no attribute {name!r}")
+
+
+def _register() -> None:
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    from torchpass_plugins.strategies import TorchPassDDPStrategy, TorchPassFSDPStrategy
+
+    for strategy in (TorchPassDDPStrategy, TorchPassFSDPStrategy):
+        if strategy.strategy_name not in StrategyRegistry:
+            strategy.register_strategies(StrategyRegistry)
+
+
+class _RegisterAfterLightning(importlib.abc.MetaPathFinder):
+    """Runs :func:`_register` right after the ``lightning.pytorch`` package has finished importing."""
+
+    def find_spec(self, name, path, target=None):
+        if name != "lightning.pytorch":
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        if spec is None or spec.loader is None:
+            return spec
+        exec_module = spec.loader.exec_module
+
+        def exec_then_register(module) -> None:
+            exec_module(module)
+            _register()
+
+        spec.loader.exec_module = exec_then_register
+        return spec
+
+
+if "lightning.pytorch" in sys.modules:
+    _register()
+elif not any(isinstance(f, _RegisterAfterLightning) for f in sys.meta_path):
+    sys.meta_path.insert(0, _RegisterAfterLightning())

@@ -38,6 +38,9 @@ def _launch_parser(sub: argparse._SubParsersAction) -> None:
                    help="log a straggler, or also move it to a spare")
     p.add_argument("--metrics-addr", default=None,
                    help="HOST:PORT for node 0's Prometheus endpoint (needs the 'metrics' extra); off by default")
+    p.add_argument("--preload", default="torch,lightning.pytorch",
+                   help="modules a per-node fork server imports once; every worker is forked from it and starts "
+                        "in milliseconds ('': start each worker as a fresh interpreter)")
     p.add_argument("script", help="training script (or -m module)")
     p.add_argument("args", nargs=argparse.REMAINDER)
 
@@ -75,6 +78,7 @@ def main(argv: list[str] | None = None) -> int:
                                          temperature_migrate_c=ns.temperature_migrate)),
         straggler_window=ns.straggler_window, straggler_factor=ns.straggler_factor,
         straggler_migrate=ns.straggler_policy == "migrate", metrics_addr=ns.metrics_addr,
+        preload=tuple(m for m in ns.preload.split(",") if m.strip()),
     )
     try:
         config.validate()

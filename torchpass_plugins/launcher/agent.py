@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torchpass_plugins.events import EventLog
 from torchpass_plugins.health import HealthConfig
 from torchpass_plugins.launcher.coordinator import DONE_KEY, Coordinator
+from torchpass_plugins.launcher.zygote import Zygote
 from torchpass_plugins.membership import (
     ABORT_KEY,
     CONFIG_ERROR_EXIT,
@@ -65,6 +66,8 @@ class LaunchConfig:
     straggler_factor: float = 1.5
     straggler_migrate: bool = False
     metrics_addr: str | None = None  # HOST:PORT of node 0's Prometheus endpoint
+    # imported once per node by a fork server, which forks every worker (empty: a fresh interpreter each)
+    preload: tuple[str, ...] = ("torch", "lightning.pytorch")
 
     @property
     def processes(self) -> int:
@@ -148,6 +151,7 @@ class Agent:
             print("torchpass: OMP_NUM_THREADS set to 1 for each worker (set it yourself to tune)", file=sys.stderr)
         self.events.emit("agent_started", node=cfg.node_rank, endpoint=self.endpoint, slots=cfg.nproc_per_node,
                          spares=cfg.spares, world_size=cfg.world_size)
+        self._zygote = Zygote(list(cfg.preload)) if cfg.preload else None
         for slot in self.slots:
             self._spawn(slot)
         watch = threading.Thread(target=self._watch_health, name="torchpass-health", daemon=True)
@@ -159,6 +163,8 @@ class Agent:
             self._done.set()
             if metrics is not None:
                 metrics.shutdown()
+            if self._zygote is not None:
+                self._zygote.close()
             self._kill_all()
             self.store.add(_AGENTS_DONE, 1)
             if cfg.node_rank == 0:
@@ -211,11 +217,12 @@ class Agent:
             straggler_window=cfg.straggler_window, straggler_factor=cfg.straggler_factor,
             straggler_migrate=cfg.straggler_migrate,
         )
-        slot.proc = subprocess.Popen(
-            [sys.executable, "-u", *cfg.command],
-            env={**os.environ, **env.to_env(), "PYTHONUNBUFFERED": "1", "TORCHPASS_AGENT_PID": str(os.getpid())},
-            start_new_session=True,
-        )
+        parent = self._zygote.proc.pid if self._zygote is not None else os.getpid()
+        worker_env = {**os.environ, **env.to_env(), "PYTHONUNBUFFERED": "1", "TORCHPASS_AGENT_PID": str(parent)}
+        if self._zygote is not None:
+            slot.proc = self._zygote.spawn(list(cfg.command), worker_env)
+        else:
+            slot.proc = subprocess.Popen([sys.executable, "-u", *cfg.command], env=worker_env, start_new_session=True)
         slot.beats, slot.last_change = 0, time.monotonic()
         self.events.emit("worker_started", worker=slot.worker_id, pid=slot.proc.pid, slot=slot.index)
 
