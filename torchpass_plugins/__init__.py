@@ -8,6 +8,7 @@ Lightning, and the public classes are loaded when first used.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.abc
 import importlib.util
@@ -31,14 +32,23 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'torchpass_plugins' has no attribute {name!r}")
 
 
+_STRATEGIES = {
+    "torchpass_ddp": ("TorchPassDDPStrategy", "DDP whose failed workers are replaced by spares, live"),
+    "torchpass_fsdp": ("TorchPassFSDPStrategy", "FSDP2 whose shards survive the loss of a rank (ring replicas)"),
+}
+
+
+def _build(class_name: str, **kwargs: Any) -> Any:
+    return getattr(importlib.import_module("torchpass_plugins.strategies"), class_name)(**kwargs)
+
+
 def _register() -> None:
+    """Register factories, so that registering imports nothing of ours (Lightning may be mid-import)."""
     from lightning.pytorch.strategies import StrategyRegistry
 
-    from torchpass_plugins.strategies import TorchPassDDPStrategy, TorchPassFSDPStrategy
-
-    for strategy in (TorchPassDDPStrategy, TorchPassFSDPStrategy):
-        if strategy.strategy_name not in StrategyRegistry:
-            strategy.register_strategies(StrategyRegistry)
+    for name, (class_name, description) in _STRATEGIES.items():
+        if name not in StrategyRegistry:
+            StrategyRegistry.register(name, functools.partial(_build, class_name), description=description)
 
 
 class _RegisterAfterLightning(importlib.abc.MetaPathFinder):

@@ -252,9 +252,3 @@ class TorchPassDDPStrategy(ParallelStrategy):
         if trainer.state.stage == RunningStage.TRAINING:
             return self.adapter.resume_dataloader(dataloader)
         return dataloader
-
-    @classmethod
-    def register_strategies(cls, strategy_registry) -> None:
-        strategy_registry.register(
-            cls.strategy_name, cls, description="DDP whose failed workers are replaced by spares, live"
-        )

@@ -555,9 +555,3 @@ class TorchPassFSDPStrategy(TorchPassDDPStrategy):
         if self._local_only():
             return torch.stack([tensor] * self.world_size)
         return torch.stack(parts)
-
-    @classmethod
-    def register_strategies(cls, strategy_registry) -> None:
-        strategy_registry.register(
-            cls.strategy_name, cls, description="FSDP2 whose shards survive the loss of a rank (ring replicas)"
-        )
