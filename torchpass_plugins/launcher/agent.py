@@ -68,6 +68,8 @@ class LaunchConfig:
     metrics_addr: str | None = None  # HOST:PORT of node 0's Prometheus endpoint
     # imported once per node by a fork server, which forks every worker (empty: a fresh interpreter each)
     preload: tuple[str, ...] = ("torch", "lightning.pytorch")
+    first_slot: int = 0  # index of this agent's first slot (its workers' local rank / GPU)
+    external_store: bool = False  # the store at --rdzv-endpoint is someone else's (torchrun's): only connect
 
     @property
     def processes(self) -> int:
@@ -132,7 +134,7 @@ class Agent:
         token_seed = int(hashlib.sha256(self.token.encode()).hexdigest()[:8], 16)
         self.seed = config.seed if config.seed is not None else token_seed
         self.events = EventLog(Path(config.run_dir) / "events.jsonl", source=f"agent{config.node_rank}")
-        self.slots = [_Slot(i) for i in range(config.nproc_per_node)]
+        self.slots = [_Slot(config.first_slot + i) for i in range(config.nproc_per_node)]
         self._signal: int | None = None
         self.attempt = 0  # restarts of the whole job so far
         self._coordinator_thread: threading.Thread | None = None
@@ -141,7 +143,7 @@ class Agent:
 
     def run(self) -> int:
         cfg = self.config
-        self._client = connect_store(cfg.rdzv_endpoint, is_master=cfg.node_rank == 0)
+        self._client = connect_store(cfg.rdzv_endpoint, is_master=cfg.node_rank == 0 and not cfg.external_store)
         self.endpoint = f"{cfg.rdzv_endpoint.rsplit(':', 1)[0]}:{self._client.port}"
         self._begin_attempt()
         self._install_signals()
@@ -167,7 +169,7 @@ class Agent:
                 self._zygote.close()
             self._kill_all()
             self.store.add(_AGENTS_DONE, 1)
-            if cfg.node_rank == 0:
+            if cfg.node_rank == 0 and not cfg.external_store:
                 self._wait_other_agents()
             self._stop_coordinator()
         return code

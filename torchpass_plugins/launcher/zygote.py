@@ -82,8 +82,9 @@ def serve(fd: int, preload: list[str]) -> None:
         ready, _, _ = select.select([conn], [], [], 0.05)
         if ready:
             line = reader.readline()
-            if not line:
-                return  # the agent is gone
+            if not line:  # the agent is done (or gone): leave without tearing down torch and co.
+                sys.stdout.flush()
+                os._exit(0)
             request = json.loads(line)
             pid = os.fork()
             if pid == 0:
@@ -182,6 +183,7 @@ class Zygote:
             return self._exits.get(pid)
 
     def close(self) -> None:
+        self._conn.shutdown(socket.SHUT_RDWR)  # EOF for the zygote now (the reader's file still holds the fd)
         self._conn.close()
         try:
             self.proc.wait(timeout=10)
