@@ -5,8 +5,8 @@ One logical rank under ``torchpass launch`` (``torchpass_ddp``), an MLP whose pa
 make about 500 MB, a snapshot at the boundary of every ``every``-th step. Modes, alternating per repetition:
 
 - *torchpass*: ``TorchPassCallback(snapshot_dir=..., snapshot_every_n_steps=every)``; stall = what the loop
-  waited (the ``stall_s`` of each ``snapshot_staged`` event: copies made at once + the fence before the
-  optimizer step).
+  waited (the ``stall_s`` of each ``snapshot_staged`` event: building the state, copies made at once, and
+  the fence before the optimizer step).
 - *sync*: ``trainer.save_checkpoint`` at the same boundaries (``torch.save`` to local disk); stall = its duration.
 - *async-io*: the same call with Lightning's ``AsyncCheckpointIO`` plugin; stall = its duration.
 - *none*: no snapshot, for the step time the others are compared with.
@@ -115,8 +115,9 @@ def render(size: Size, results: list[Result], smoke: bool, info: dict) -> str:
         f"{size.depth} -> {size.classes} ({size.params:,} parameters), AdamW: {size.state_bytes / 1e6:.0f} MB of "
         f"parameters and optimizer state; a snapshot at the boundary of steps {size.every}, {2 * size.every}, ... "
         f"of {size.steps}; local disk.",
-        "- Stall: torchpass = what the loop waited per snapshot (copies made at once + the fence before the "
-        "optimizer step); sync / async-io = duration of `trainer.save_checkpoint` (with Lightning's "
+        "- Stall: torchpass = what the loop waited per snapshot (building the state, the copies made at once, and "
+        "the fence before the optimizer step); sync / async-io = duration of `trainer.save_checkpoint` "
+        "(with Lightning's "
         "`AsyncCheckpointIO` for async-io). Dip: mean step time of the "
         f"{DIP_STEPS} steps after a snapshot / the median step time of the runs without snapshots.",
         "",
