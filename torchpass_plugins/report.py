@@ -198,13 +198,18 @@ def plot_timeline(events: list[dict[str, Any]], summary: RunSummary, path: Path)
     return path
 
 
+def wide_console() -> Console:
+    """The terminal's width, or 140 columns when the output is a file or a pipe (rich would use 80)."""
+    return Console(width=None if Console().is_terminal else 140)
+
+
 def report(run_dir: str | Path, console: Console | None = None) -> RunSummary:
     run_dir = Path(run_dir)
     events = read_events(run_dir)
     if not events:
         raise FileNotFoundError(f"no events in {run_dir / 'events.jsonl'}: is this a torchpass run directory?")
     summary = summarize(events)
-    console = console or Console(width=None if Console().is_terminal else 140)
+    console = console or wide_console()
     render(summary, console)
     console.print(f"timeline: {plot_timeline(events, summary, run_dir / TIMELINE)}")
     return summary

@@ -18,7 +18,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from torchpass_plugins.report import report
+from torchpass_plugins.report import report, wide_console
 
 TRAIN = Path(__file__).with_name("train.py")
 WORLD = 3
@@ -98,7 +98,7 @@ def _regain(run: _Run, killed_at: float) -> tuple[int, float]:
 
 
 def run_demo(steps: int = 60, run_dir: str = "torchpass_runs/demo") -> int:
-    console = Console()
+    console = wide_console()
     root = Path(run_dir)
     console.rule("[bold]torchpass demo: lose a worker, not your progress")
     console.print(f"3 active workers + 1 spare train a small classifier for {steps} steps (AdamW, dropout, "
