@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from torchpass_plugins.config import TorchPassConfig, from_mapping, reference, register_configs
+from torchpass_plugins.config import from_mapping, reference, register_configs
 from torchpass_plugins.environment import NotUnderTorchPass
 from torchpass_plugins.membership import ConfigError
 
@@ -32,21 +32,34 @@ def test_a_bad_setting_is_one_clear_error_naming_the_key(values, message):
         from_mapping(values)
 
 
-def test_hydra_composes_the_schema_and_the_config_turns_into_launch_flags_and_trainer_arguments(tmp_path):
-    register_configs()
+def _compose(tmp_path, overrides: list[str]):
     from hydra import compose, initialize_config_dir
 
-    (tmp_path / "config.yaml").write_text("defaults:\n  - torchpass: schema\n  - _self_\n")
+    register_configs()
+    (tmp_path / "config.yaml").write_text("defaults:\n  - torchpass: ddp\n  - _self_\n")
     with initialize_config_dir(config_dir=str(tmp_path), version_base=None):
-        cfg = compose("config", overrides=["torchpass.mode=fsdp", "torchpass.spares=2",
-                                           "torchpass.snapshots.dir=memory://s", "torchpass.snapshots.every_n_steps=5"])
+        return compose("config", overrides=overrides)
+
+
+def test_hydra_presets_and_overrides_turn_into_launch_flags_and_trainer_arguments(tmp_path):
+    cfg = _compose(tmp_path, ["torchpass=fsdp", "torchpass.spares=2", "torchpass.snapshots.dir=memory://s",
+                              "torchpass.snapshots.every_n_steps=5"])
     config = from_mapping(OmegaConf.to_container(cfg.torchpass))
-    assert (config.mode, config.spares, config.snapshots.every_n_steps) == ("fsdp", 2, 5)
+    assert (config.enabled, config.mode, config.spares, config.snapshots.every_n_steps) == (True, "fsdp", 2, 5)
     argv = config.launch_argv()
     assert argv[argv.index("--spares") + 1] == "2" and argv[argv.index("--straggler-policy") + 1] == "warn"
     with pytest.raises(NotUnderTorchPass, match="torchpass launch"):  # the strategies live in workers only
         config.trainer_kwargs()
-    assert TorchPassConfig(enabled=False).trainer_kwargs() == {}
+    off = from_mapping(OmegaConf.to_container(_compose(tmp_path, ["torchpass=off"]).torchpass))
+    assert off.trainer_kwargs() == {}  # plain Lightning
+
+
+def test_hydra_refuses_a_misspelled_key_by_name(tmp_path):
+    from hydra.errors import ConfigCompositionException
+
+    with pytest.raises(ConfigCompositionException) as failure:
+        _compose(tmp_path, ["torchpass.snapshot.keep=2"])
+    assert "Key 'snapshot' not in 'TorchPassConfig'" in str(failure.value.__cause__)
 
 
 def test_the_configuration_reference_is_generated_from_the_dataclasses():

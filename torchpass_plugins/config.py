@@ -161,10 +161,15 @@ def from_mapping(values: Any) -> TorchPassConfig:
 
 
 def register_configs() -> None:
-    """Register the schema in Hydra's ConfigStore (group ``torchpass``, name ``schema``)."""
+    """Register the group ``torchpass`` in Hydra's ConfigStore: ``ddp``, ``fsdp`` and ``off`` (plain
+    Lightning) presets, typed by the schema, so ``python train.py torchpass=fsdp`` picks one and a typo in
+    an override is refused by Hydra with the key's name."""
     from hydra.core.config_store import ConfigStore
 
-    ConfigStore.instance().store(group="torchpass", name="schema", node=TorchPassConfig)
+    store = ConfigStore.instance()
+    for name, preset in (("ddp", TorchPassConfig(mode="ddp")), ("fsdp", TorchPassConfig(mode="fsdp")),
+                         ("off", TorchPassConfig(enabled=False))):
+        store.store(group="torchpass", name=name, node=preset)
 
 
 def reference() -> str:
