@@ -111,7 +111,8 @@ def render(size: Size, results: list[Result], failures: list[str], smoke: bool, 
         f"{size.steps - 1} (the first {size.warmup} steps are warmup); runs alternate torchpass / plain.",
         "- What differs: both overlap bucketed gradient all-reduces with backward; `torchpass_ddp` keeps its "
         "buckets fixed (4 MB), reduces a copy (the local gradients stay intact for a retry) and commits each step "
-        "with a one-element all-reduce (the commit vote); Lightning's `ddp` broadcasts a one-element tensor each "
+        "with a small all-reduce (the commit vote, 2 x ranks values that also carry migration flags and step "
+        "times); Lightning's `ddp` broadcasts a one-element tensor each "
         "step (its SIGTERM check).",
         "",
         "| Strategy | Launch | Runs | Median step (ms) | Min-max of run medians (ms) | p10-p90 within runs (ms) |",
