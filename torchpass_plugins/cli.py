@@ -10,21 +10,14 @@ from torchpass_plugins.health import HealthConfig, HealthPolicy
 from torchpass_plugins.launcher import LaunchConfig, launch
 
 
-def _launch_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("launch", help="start and supervise the workers of this node (torchrun-like)")
-    p.add_argument("--nproc-per-node", type=int, default=1, help="worker processes on this node, spares included")
-    p.add_argument("--nnodes", type=int, default=1)
-    p.add_argument("--node-rank", type=int, default=0)
-    p.add_argument("--rdzv-endpoint", default="127.0.0.1:0", help="HOST:PORT of node 0's store (port 0: any free)")
+def add_job_flags(p: argparse.ArgumentParser) -> None:
+    """The flags of a job's supervision, shared by ``torchpass launch`` and ``python -m torchpass_plugins.run``."""
     p.add_argument("--spares", type=int, default=0, help="workers that wait to replace failed ones (job-wide)")
     p.add_argument("--run-dir", default="torchpass_runs/latest", help="where events.jsonl is written")
     p.add_argument("--heartbeat-timeout", type=float, default=30.0, help="seconds without a beat before SIGKILL")
-    p.add_argument("--heartbeat-interval", type=float, default=0.5)
-    p.add_argument("--no-refill", dest="refill", action="store_false", help="do not restart failed slots as spares")
     p.add_argument("--max-restarts", type=int, default=3,
                    help="restarts of the whole job when a failure no spare can fix happens (it resumes from its "
                         "newest snapshot); 0: stop instead")
-    p.add_argument("--seed", type=int, default=None, help="job seed for per-step RNG (default: from PL_GLOBAL_SEED)")
     p.add_argument("--health-source", default="nvml",
                    help="GPU health readings: nvml, file:PATH (JSON {device: {field: value}}, for drills), or off")
     p.add_argument("--health-interval", type=float, default=5.0, help="seconds between health readings")
@@ -43,6 +36,32 @@ def _launch_parser(sub: argparse._SubParsersAction) -> None:
                         "in milliseconds ('': start each worker as a fresh interpreter)")
     p.add_argument("script", help="training script (or -m module)")
     p.add_argument("args", nargs=argparse.REMAINDER)
+
+
+def job_config(ns: argparse.Namespace) -> dict:
+    """``LaunchConfig`` arguments from the flags of :func:`add_job_flags`."""
+    return dict(
+        command=[ns.script, *ns.args] if ns.script != "-m" else ["-m", *ns.args], spares=ns.spares,
+        run_dir=ns.run_dir, heartbeat_timeout=ns.heartbeat_timeout, max_restarts=ns.max_restarts,
+        health=HealthConfig(ns.health_source, ns.health_interval,
+                            HealthPolicy(temperature_warn_c=ns.temperature_warn,
+                                         temperature_migrate_c=ns.temperature_migrate)),
+        straggler_window=ns.straggler_window, straggler_factor=ns.straggler_factor,
+        straggler_migrate=ns.straggler_policy == "migrate", metrics_addr=ns.metrics_addr,
+        preload=tuple(m for m in ns.preload.split(",") if m.strip()),
+    )
+
+
+def _launch_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("launch", help="start and supervise the workers of this node (torchrun-like)")
+    p.add_argument("--nproc-per-node", type=int, default=1, help="worker processes on this node, spares included")
+    p.add_argument("--nnodes", type=int, default=1)
+    p.add_argument("--node-rank", type=int, default=0)
+    p.add_argument("--rdzv-endpoint", default="127.0.0.1:0", help="HOST:PORT of node 0's store (port 0: any free)")
+    p.add_argument("--heartbeat-interval", type=float, default=0.5)
+    p.add_argument("--no-refill", dest="refill", action="store_false", help="do not restart failed slots as spares")
+    p.add_argument("--seed", type=int, default=None, help="job seed for per-step RNG (default: from PL_GLOBAL_SEED)")
+    add_job_flags(p)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -67,18 +86,10 @@ def main(argv: list[str] | None = None) -> int:
         from torchpass_plugins.demo.runner import run_demo
 
         return run_demo(steps=ns.steps, run_dir=ns.run_dir)
-    command = [ns.script, *ns.args] if ns.script != "-m" else ["-m", *ns.args]
     config = LaunchConfig(
-        command=command, nproc_per_node=ns.nproc_per_node, nnodes=ns.nnodes, node_rank=ns.node_rank,
-        rdzv_endpoint=ns.rdzv_endpoint, spares=ns.spares, run_dir=ns.run_dir,
-        heartbeat_timeout=ns.heartbeat_timeout, heartbeat_interval=ns.heartbeat_interval, refill=ns.refill,
-        token=os.environ.get("TORCHPASS_JOIN_TOKEN", ""), seed=ns.seed, max_restarts=ns.max_restarts,
-        health=HealthConfig(ns.health_source, ns.health_interval,
-                            HealthPolicy(temperature_warn_c=ns.temperature_warn,
-                                         temperature_migrate_c=ns.temperature_migrate)),
-        straggler_window=ns.straggler_window, straggler_factor=ns.straggler_factor,
-        straggler_migrate=ns.straggler_policy == "migrate", metrics_addr=ns.metrics_addr,
-        preload=tuple(m for m in ns.preload.split(",") if m.strip()),
+        nproc_per_node=ns.nproc_per_node, nnodes=ns.nnodes, node_rank=ns.node_rank, rdzv_endpoint=ns.rdzv_endpoint,
+        heartbeat_interval=ns.heartbeat_interval, refill=ns.refill, seed=ns.seed,
+        token=os.environ.get("TORCHPASS_JOIN_TOKEN", ""), **job_config(ns),
     )
     try:
         config.validate()

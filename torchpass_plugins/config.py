@@ -13,6 +13,7 @@ import sys
 from dataclasses import MISSING, dataclass, field, fields, is_dataclass
 from typing import Any, Optional
 
+from torchpass_plugins.health import is_source
 from torchpass_plugins.membership import ConfigError
 
 
@@ -97,9 +98,8 @@ class TorchPassConfig:
             bad("snapshots.dir", self.snapshots.dir, "a path or fsspec URL when snapshots.every_n_steps > 0")
         if self.stragglers.factor <= 1:
             bad("stragglers.factor", self.stragglers.factor, "a number > 1")
-        source = self.health.source
-        if source not in ("nvml", "off") and not source.startswith("file:"):
-            bad("health.source", source, "nvml | file:PATH | off")
+        if not is_source(self.health.source):
+            bad("health.source", self.health.source, "nvml | file:PATH | off")
         for key in ("health.interval_s", "timeouts.collective_s", "timeouts.heartbeat_s"):
             if _get(self, key) <= 0:
                 bad(key, _get(self, key), "a number > 0")

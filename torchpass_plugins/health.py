@@ -205,6 +205,11 @@ class HealthPolicy:
         return out
 
 
+def is_source(source: str) -> bool:
+    """Whether ``source`` names a health source: ``nvml``, ``file:PATH`` or ``off``."""
+    return source in ("nvml", "off") or source.startswith("file:")
+
+
 @dataclass
 class HealthConfig:
     """``source``: ``nvml`` (default), ``file:PATH`` (injected readings), or ``off``."""
@@ -215,12 +220,12 @@ class HealthConfig:
 
     def open(self) -> HealthSource | None:
         """The configured source, or None (with one log line saying why) when the watch is off."""
+        if not is_source(self.source):
+            raise ValueError(f"health source must be 'nvml', 'file:PATH' or 'off', not {self.source!r}")
         if self.source == "off":
             return None
         if self.source.startswith("file:"):
             return FileHealthSource(self.source[len("file:"):])
-        if self.source != "nvml":
-            raise ValueError(f"health source must be 'nvml', 'file:PATH' or 'off', not {self.source!r}")
         try:
             return NvmlHealthSource()
         except (HealthUnavailable, ImportError) as exc:

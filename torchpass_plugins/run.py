@@ -19,6 +19,7 @@ import hashlib
 import os
 import sys
 
+from torchpass_plugins.cli import add_job_flags, job_config
 from torchpass_plugins.launcher import LaunchConfig, launch
 
 # torchrun's view of this process: the script must not mistake it for its own (its ranks are torchpass's).
@@ -29,13 +30,7 @@ _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP
 def config_from_torchrun(argv: list[str], environ: dict[str, str]) -> LaunchConfig:
     p = argparse.ArgumentParser(prog="python -m torchpass_plugins.run", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--spares", type=int, default=0, help="processes (of torchrun's) that wait as spares")
-    p.add_argument("--run-dir", default="torchpass_runs/latest")
-    p.add_argument("--max-restarts", type=int, default=3)
-    p.add_argument("--heartbeat-timeout", type=float, default=30.0)
-    p.add_argument("--preload", default="torch,lightning.pytorch")
-    p.add_argument("script")
-    p.add_argument("args", nargs=argparse.REMAINDER)
+    add_job_flags(p)
     ns = p.parse_args(argv)
     missing = [v for v in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT") if v not in environ]
     if missing:
@@ -44,13 +39,10 @@ def config_from_torchrun(argv: list[str], environ: dict[str, str]) -> LaunchConf
     # Every supervisor of the job derives the same join token (unless one is given).
     token = environ.get("TORCHPASS_JOIN_TOKEN") or hashlib.sha256(
         f"{run_id}|{environ['MASTER_ADDR']}|{environ['MASTER_PORT']}".encode()).hexdigest()[:32]
-    command = [ns.script, *ns.args] if ns.script != "-m" else ["-m", *ns.args]
     return LaunchConfig(
-        command=command, nproc_per_node=1, nnodes=int(environ["WORLD_SIZE"]), node_rank=int(environ["RANK"]),
-        rdzv_endpoint=f"{environ['MASTER_ADDR']}:{environ['MASTER_PORT']}", spares=ns.spares, run_dir=ns.run_dir,
-        heartbeat_timeout=ns.heartbeat_timeout, token=token, max_restarts=ns.max_restarts,
-        preload=tuple(m for m in ns.preload.split(",") if m.strip()), first_slot=int(environ["LOCAL_RANK"]),
-        external_store=True,
+        nproc_per_node=1, nnodes=int(environ["WORLD_SIZE"]), node_rank=int(environ["RANK"]),
+        rdzv_endpoint=f"{environ['MASTER_ADDR']}:{environ['MASTER_PORT']}", token=token,
+        first_slot=int(environ["LOCAL_RANK"]), external_store=True, **job_config(ns),
     )
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import atexit
 import json
 import os
+import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -388,7 +389,7 @@ class Runtime:
                              compute_s=medians, factor=self.env.straggler_factor)
         if self.rank in slow and self.env.straggler_migrate and not self._asked_to_move:
             self._asked_to_move = True
-            typical = sorted(medians)[len(medians) // 2]
+            typical = statistics.median(medians)
             self.member.store.queue_push(INBOX, json.dumps({
                 "migrate": self.env.worker_id,
                 "why": f"straggler: rank {self.rank} computes {medians[self.rank] / typical:.2f}x the median step",
@@ -408,16 +409,19 @@ class Runtime:
 
     def carry_out_drain(self, step: int) -> None:
         """At the agreed boundary: the moving rank leaves; the others rebuild the group with the spare."""
+        rank = self.end_drain(step)
+        self._recover((step, 0), reduced=False, cause=f"planned migration of rank {rank}")
+
+    def end_drain(self, step: int) -> int:
+        """The agreed migration happens now: the moving rank leaves (this does not return there); the
+        others get the rank that moved, and rebuild the group with the spare."""
         rank = self.drain[1]
         self.drain = None
         self.member.drain_carried_out()
-        if rank == self.rank:
-            self.leave(step)
-        self._recover((step, 0), reduced=False, cause=f"planned migration of rank {rank}")
-
-    def leave(self, step: int) -> None:
-        """The moving rank, at a step boundary: tell the coordinator (which promotes the reserved spare),
-        land what is in flight, and exit. Its state goes to the spare from a peer at this boundary."""
+        if rank != self.rank:
+            return rank
+        # Tell the coordinator (which promotes the reserved spare), land what is in flight, and exit. The
+        # state reaches the spare from a peer at this boundary.
         self.member.store.queue_push(INBOX, json.dumps({"drained": self.env.worker_id}))
         self.events.emit("drained", rank=self.rank, worker=self.env.worker_id, step=step)
         for hook in self.leave_hooks:

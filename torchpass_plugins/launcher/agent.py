@@ -23,7 +23,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from torchpass_plugins.events import EventLog
-from torchpass_plugins.health import HealthConfig
+from torchpass_plugins.health import HealthConfig, is_source
 from torchpass_plugins.launcher.coordinator import DONE_KEY, Coordinator
 from torchpass_plugins.launcher.zygote import Zygote
 from torchpass_plugins.membership import (
@@ -110,7 +110,7 @@ class LaunchConfig:
                 raise ValueError("--metrics-addr needs prometheus-client: pip install 'torchpass-plugins[metrics]'")
             if not self.metrics_addr.rpartition(":")[2].isdigit():
                 raise ValueError(f"--metrics-addr must be HOST:PORT, not {self.metrics_addr!r}")
-        if self.health.source not in ("nvml", "off") and not self.health.source.startswith("file:"):
+        if not is_source(self.health.source):
             raise ValueError(f"--health-source must be nvml, file:PATH or off, not {self.health.source!r}")
 
 

@@ -265,9 +265,8 @@ class TorchPassFSDPStrategy(TorchPassDDPStrategy):
         self.runtime.boundary(step)
         self._raise_if_failed()
         self._exchange_signals(step)
-        moving = self.runtime.drain_due(step)
-        if moving is not None:
-            self._carry_out_drain(step, moving)
+        if self.runtime.drain_due(step) is not None:
+            self._carry_out_drain(step)
             return self._boundary(step)  # again, with the spare: its first boundary makes the same collectives
         self._fetcher.tag = step
         self._fenced = False
@@ -285,7 +284,7 @@ class TorchPassFSDPStrategy(TorchPassDDPStrategy):
             self._raise_if_failed()
         self.runtime.take_signals(signals, step, drain_at=step)
 
-    def _carry_out_drain(self, step: int, rank: int) -> None:
+    def _carry_out_drain(self, step: int) -> None:
         """A planned migration at this boundary: first every shard of this boundary is on its ring
         successor (a forced round), so the spare starts from this very step: nothing is rolled back."""
         self._replicate(step, wait=True, force=True)
@@ -295,11 +294,7 @@ class TorchPassFSDPStrategy(TorchPassDDPStrategy):
             self.relay.poisoned = str(exc)
         if self.relay.poisoned is not None:  # a real failure meanwhile (a newer roster alone is the move)
             raise StepFailed(self.relay.poisoned)
-        self.runtime.drain = None
-        self.runtime.member.drain_carried_out()
-        if rank == self.runtime.rank:
-            self.runtime.leave(step)
-        self._recover(f"planned migration of rank {rank}")
+        self._recover(f"planned migration of rank {self.runtime.end_drain(step)}")
 
     def _replicate(self, step: int, wait: bool, force: bool = False) -> None:
         """Start the replication round of boundary ``step`` if one is due or ``force``d (and wait for
