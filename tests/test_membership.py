@@ -11,9 +11,10 @@ import pytest
 import torch
 
 from torchpass_plugins.events import EventLog, read_events
-from torchpass_plugins.launcher.coordinator import DONE_KEY, Coordinator
+from torchpass_plugins.launcher.coordinator import Coordinator
 from torchpass_plugins.membership import (
     ABORT_KEY,
+    DONE_KEY,
     INBOX,
     TRAINED_KEY,
     Member,
@@ -84,6 +85,24 @@ def test_coordinator_rejects_a_wrong_token_and_releases_spares_at_the_end(store,
     c.poll()
     assert s.get(DONE_KEY) == b"done"
     assert _assignment(s, "n0-s1-i0") == {"exit": "done"}
+
+
+def test_a_worker_that_joins_after_the_job_ended_is_told_to_exit(store, tmp_path):
+    # A refill started just before the end registers after the coordinator released the spares it knew.
+    master, s = store
+    c = Coordinator(s, "tok", processes=1, world_size=1, events=EventLog(None))
+    _join(s, "n0-s0-i0")
+    c.poll()
+    _exit(s, "n0-s0-i0", 0)
+    c.poll()
+    env = WorkerEnv(store=f"127.0.0.1:{master.port}", token="tok", worker_id="n0-s0-i1", world_size=1, node_rank=0,
+                    local_slot=0, run_dir="", seed=0, heartbeat_interval=0.5)
+    late = Member(env)
+    try:
+        late.join()
+        assert late.wait_assignment() == {"exit": "done"}
+    finally:
+        late.close()
 
 
 def test_a_worker_lost_after_training_completed_is_not_replaced(store, tmp_path):

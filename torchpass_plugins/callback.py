@@ -12,8 +12,8 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
+from torchpass_plugins.errors import ConfigError
 from torchpass_plugins.events import EventLog
-from torchpass_plugins.membership import ConfigError
 from torchpass_plugins.snapshot_store import SnapshotStore
 from torchpass_plugins.snapshot_writer import AsyncSnapshotWriter, SnapshotPlan, WhenBusy
 

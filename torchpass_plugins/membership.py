@@ -27,10 +27,6 @@ class JobAborted(RuntimeError):
     """The coordinator gave up on the job (for example more failures than spares)."""
 
 
-class ConfigError(ValueError):
-    """A setting that no spare can fix: the whole job stops at once with this message."""
-
-
 CONFIG_ERROR_EXIT = 78  # EX_CONFIG: the agent stops the job instead of replacing the worker
 
 
@@ -67,6 +63,7 @@ LEAVING = 1 << 40  # added to a heartbeat counter by a worker on its way out: no
 INBOX = "inbox"  # the coordinator's one input queue: JSON messages {"join": w} / {"exit": w, ...} / {"stop": 1}
 ABORT_KEY = "abort"
 RESTART_KEY = "restart"  # set instead of ABORT_KEY when the agents are to restart every worker
+DONE_KEY = "done"  # the job's outcome, set by the coordinator when it ends ("done" on success)
 # The newest planned migration, ``{"id", "rank", "worker", "why"}``, set by the coordinator. Workers act on
 # it only while ``worker`` still holds ``rank`` in their roster, so a notice already carried out is inert.
 DRAIN_KEY = "drain"
@@ -232,8 +229,15 @@ class Member:
         self._start(self._beat, "torchpass-heartbeat")
 
     def wait_assignment(self) -> dict:
-        """Block until the coordinator assigns this worker a logical rank (spares wait here)."""
-        return json.loads(wait_key(self.store, assign_key(self.env.worker_id), self._stop))
+        """Block until the coordinator assigns this worker a logical rank (spares wait here). A worker
+        that registers after the job ended (a refill started just before the end) is told to exit."""
+        key = assign_key(self.env.worker_id)
+        while not self.store.check([key]):
+            if self.store.check([DONE_KEY]):
+                return {"exit": self.store.get(DONE_KEY).decode()}
+            if self._stop.wait(_POLL_S):
+                raise InterruptedError(key)
+        return json.loads(self.store.get(key))
 
     def roster(self, gen: int) -> Roster:
         return Roster.from_json(self.store.get(roster_key(gen)))

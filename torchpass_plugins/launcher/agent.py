@@ -24,11 +24,12 @@ import torch.distributed as dist
 
 from torchpass_plugins.events import EventLog
 from torchpass_plugins.health import HealthConfig, is_source
-from torchpass_plugins.launcher.coordinator import DONE_KEY, Coordinator
+from torchpass_plugins.launcher.coordinator import Coordinator
 from torchpass_plugins.launcher.zygote import Zygote
 from torchpass_plugins.membership import (
     ABORT_KEY,
     CONFIG_ERROR_EXIT,
+    DONE_KEY,
     INBOX,
     LEAVING,
     RESTART_KEY,

@@ -19,6 +19,7 @@ from torchpass_plugins.events import EventLog
 from torchpass_plugins.membership import (
     ABORT_KEY,
     CONFIG_ERROR_EXIT,
+    DONE_KEY,
     DRAIN_KEY,
     INBOX,
     RESTART_KEY,
@@ -31,7 +32,6 @@ from torchpass_plugins.membership import (
     watch_key,
 )
 
-DONE_KEY = "done"
 _FOREVER = timedelta(days=365)  # the inbox wait has no deadline: the agent ends it with a stop message
 
 

@@ -30,9 +30,9 @@ from typing_extensions import override
 from torchpass_plugins import faults
 from torchpass_plugins.callback import TorchPassCallback
 from torchpass_plugins.environment import TorchPassEnvironment
+from torchpass_plugins.errors import ConfigError
 from torchpass_plugins.grad_buckets import GradientBuckets
 from torchpass_plugins.lightning_adapter import LightningAdapter
-from torchpass_plugins.membership import ConfigError
 from torchpass_plugins.transport import Transport
 
 _REDUCE_OPS = {"sum": torch.distributed.ReduceOp.SUM, "max": torch.distributed.ReduceOp.MAX,

@@ -34,7 +34,8 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from torchpass_plugins import faults, shard_state
-from torchpass_plugins.membership import ConfigError, Unrecoverable
+from torchpass_plugins.errors import ConfigError
+from torchpass_plugins.membership import Unrecoverable
 from torchpass_plugins.relay_group import RelayGroup, init_relay_world
 from torchpass_plugins.ring_replication import RingReplicator
 from torchpass_plugins.sharded_recovery import ShardAgreement, ShardRow
