@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from torchpass_plugins.config import from_mapping, reference, register_configs
+from torchpass_plugins.config import TorchPassConfig, from_mapping, reference, register_configs
 from torchpass_plugins.environment import NotUnderTorchPass
-from torchpass_plugins.membership import ConfigError
+from torchpass_plugins.errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -65,3 +65,56 @@ def test_hydra_refuses_a_misspelled_key_by_name(tmp_path):
 def test_the_configuration_reference_is_generated_from_the_dataclasses():
     committed = (REPO / "docs" / "configuration.md").read_text()
     assert committed == reference(), "stale: run python -m torchpass_plugins.config > docs/configuration.md"
+
+
+def test_the_search_path_plugin_serves_the_shipped_groups_to_any_app(tmp_path):
+    from hydra.core.plugins import Plugins
+    from hydra.plugins.search_path_plugin import SearchPathPlugin
+
+    assert "TorchPassSearchPathPlugin" in [p.__name__ for p in Plugins.instance().discover(SearchPathPlugin)]
+    cfg = _compose(tmp_path, ["torchpass=fsdp", "+trainer=lightning"])  # tmp_path defines neither group
+    assert OmegaConf.get_type(cfg.torchpass) is TorchPassConfig and cfg.torchpass.mode == "fsdp"
+    assert cfg.trainer._target_ == "lightning.pytorch.Trainer"
+    assert (REPO / "torchpass_plugins" / "configs").resolve() == REPO / "configs"  # installed through this link
+
+
+@pytest.mark.parametrize(
+    ("preset", "expected"),
+    [("ddp", TorchPassConfig(mode="ddp")), ("fsdp", TorchPassConfig(mode="fsdp")),
+     ("off", TorchPassConfig(enabled=False))],
+)
+def test_each_yaml_preset_is_the_schema_with_its_one_setting(tmp_path, preset, expected):
+    cfg = _compose(tmp_path, [f"torchpass={preset}"])
+    assert OmegaConf.get_type(cfg.torchpass) is TorchPassConfig
+    assert from_mapping(OmegaConf.to_container(cfg.torchpass)) == expected
+
+
+def test_enabled_false_on_any_preset_is_the_off_preset(tmp_path):
+    config = from_mapping(OmegaConf.to_container(_compose(tmp_path, ["torchpass.enabled=false"]).torchpass))
+    assert config == TorchPassConfig(enabled=False) and config.trainer_kwargs() == {}  # plain Lightning
+
+
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+def test_the_strategy_and_callback_configs_build_what_trainer_kwargs_builds(tmp_path, monkeypatch, mode):
+    """The instantiate-style configs (strategy=torchpass_*, callbacks=torchpass) and ``trainer_kwargs`` pass the
+    same classes the same arguments (recorded: building the real strategy needs a torchpass worker)."""
+    import hydra.utils
+
+    import torchpass_plugins.callback
+    import torchpass_plugins.strategies
+
+    calls: list[tuple[str, dict]] = []
+    for module, name in ((torchpass_plugins.strategies, "TorchPassDDPStrategy"),
+                         (torchpass_plugins.strategies, "TorchPassFSDPStrategy"),
+                         (torchpass_plugins.callback, "TorchPassCallback")):
+        monkeypatch.setattr(module, name, lambda name=name, **kwargs: calls.append((name, kwargs)))
+    settings = ["torchpass.timeouts.collective_s=60", "torchpass.replication.every_n_steps=3",
+                "torchpass.snapshots.keep=2", "torchpass.snapshots.dir=memory://s",
+                "torchpass.snapshots.every_n_steps=5"]
+    cfg = _compose(tmp_path, [f"torchpass={mode}", f"+strategy=torchpass_{mode}", "+callbacks=torchpass", *settings])
+    from_mapping(OmegaConf.to_container(cfg.torchpass)).trainer_kwargs()
+    from_kwargs = sorted(calls, key=str)
+    calls.clear()
+    hydra.utils.instantiate(cfg.strategy)
+    hydra.utils.instantiate(cfg.callbacks.torchpass)
+    assert sorted(calls, key=str) == from_kwargs and len(from_kwargs) == 2

@@ -13,8 +13,8 @@ import sys
 from dataclasses import MISSING, dataclass, field, fields, is_dataclass
 from typing import Any, Optional
 
+from torchpass_plugins.errors import ConfigError
 from torchpass_plugins.health import is_source
-from torchpass_plugins.membership import ConfigError
 
 
 @dataclass
@@ -161,15 +161,14 @@ def from_mapping(values: Any) -> TorchPassConfig:
 
 
 def register_configs() -> None:
-    """Register the group ``torchpass`` in Hydra's ConfigStore: ``ddp``, ``fsdp`` and ``off`` (plain
-    Lightning) presets, typed by the schema, so ``python train.py torchpass=fsdp`` picks one and a typo in
-    an override is refused by Hydra with the key's name."""
+    """Register the schema ``torchpass_schema`` in Hydra's ConfigStore. The presets ``torchpass=ddp|fsdp|off``
+    are the shipped YAML files (``configs/torchpass/``), which extend it, so an override is typed by
+    ``TorchPassConfig`` and a misspelled key is refused by Hydra with its name. The search-path plugin
+    (``hydra_plugins/torchpass_searchpath``) calls this before every composition; presets of the same name
+    here would shadow nothing and only trip Hydra's deprecated automatic schema matching."""
     from hydra.core.config_store import ConfigStore
 
-    store = ConfigStore.instance()
-    for name, preset in (("ddp", TorchPassConfig(mode="ddp")), ("fsdp", TorchPassConfig(mode="fsdp")),
-                         ("off", TorchPassConfig(enabled=False))):
-        store.store(group="torchpass", name=name, node=preset)
+    ConfigStore.instance().store(name="torchpass_schema", node=TorchPassConfig)
 
 
 def reference() -> str:
@@ -206,7 +205,26 @@ def reference() -> str:
             section(factory, sub)
 
     section(TorchPassConfig, "")
+    lines.extend(_presets())
     return "\n".join(lines)
+
+
+def _presets() -> list[str]:
+    """The shipped presets (``configs/torchpass/*.yaml``), each as the settings it changes."""
+    from importlib.resources import files
+
+    import yaml
+
+    lines = ["## Presets", "",
+             "`torchpass=NAME` picks one of the YAML files of the config group `torchpass` that ships with the "
+             "package (`configs/torchpass/`, found by Hydra through the search-path plugin); each is the schema "
+             "above with these settings:", ""]
+    for path in sorted(files("torchpass_plugins.configs").joinpath("torchpass").iterdir(), key=lambda p: p.name):
+        if path.name.endswith(".yaml"):
+            settings = yaml.safe_load(path.read_text())
+            changed = ", ".join(f"`{yaml.safe_dump({k: v}).strip()}`" for k, v in settings.items() if k != "defaults")
+            lines.append(f"- `torchpass={path.name[:-5]}`: {changed}")
+    return [*lines, ""]
 
 
 if __name__ == "__main__":
