@@ -16,7 +16,7 @@ elif [[ $# -gt 0 ]]; then
 fi
 
 status=0
-for script in regain overhead fsdp_replication snapshot_stall; do
+for script in regain overhead fsdp_replication snapshot_stall accelerate_loop; do
   echo "== benchmarks/${script}.py ${mode[*]:-}"
   # SIGTERM on timeout lets the script kill every process it started; SIGKILL 60 s later if it cannot.
   timeout --kill-after=60 "${limit}" python "benchmarks/${script}.py" "${mode[@]}" || status=$?

@@ -136,6 +136,21 @@ def start(
     return job
 
 
+def run_command(run_dir: Path, cmd: list[str], faults: str = "") -> tuple[Job, list[int]]:
+    """Run another launcher's command line (torchrun, ``accelerate launch``) as one job, bounded."""
+    env = {**os.environ, "TORCHPASS_FAULTS": faults}
+    env.pop("TORCHPASS_STORE", None)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    log = run_dir / "launch.log"
+    job = Job(run_dir, logs=[log])
+    with open(log, "wb") as out:
+        job.agents.append(subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True))
+    try:
+        return job, job.wait()
+    finally:
+        job.kill()
+
+
 def run(run_dir: Path, **kwargs) -> tuple[Job, list[int]]:
     job = start(run_dir, **kwargs)
     try:

@@ -4,14 +4,11 @@ survived as under ``torchpass launch``."""
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 from conftest import STEPS, assert_bit_exact
-from jobs import TRAIN, Job, free_port
+from jobs import TRAIN, free_port, run_command
 
 from torchpass_plugins.run import config_from_torchrun
 
@@ -40,14 +37,6 @@ def test_a_kill_under_torchrun_or_accelerate_launch_is_survived(tmp_path, refere
     }[launcher]
     cmd = [*runner, "-m", "torchpass_plugins.run", "--spares", "1", "--run-dir", str(tmp_path), str(TRAIN),
            "--out", str(tmp_path / "out"), "--devices", "3", "--max-steps", str(STEPS)]
-    env = {**os.environ, "TORCHPASS_FAULTS": "kill@rank=1,step=5,phase=reduce"}
-    log = tmp_path / "agent0.log"
-    job = Job(Path(tmp_path), logs=[log])
-    with open(log, "wb") as out:
-        job.agents.append(subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True))
-    try:
-        codes = job.wait()
-    finally:
-        job.kill()
+    job, codes = run_command(tmp_path, cmd, "kill@rank=1,step=5,phase=reduce")
     assert_bit_exact(job, codes, reference())
     assert [e["rank"] for e in job.events("failure_detected")] == [1]

@@ -22,6 +22,7 @@ _EXPORTS = {
     "TorchPassDDPStrategy": "torchpass_plugins.strategies",
     "TorchPassFSDPStrategy": "torchpass_plugins.strategies",
     "TorchPassEnvironment": "torchpass_plugins.environment",
+    "TorchPass": "torchpass_plugins.accelerate_loop",
 }
 __all__ = [*_EXPORTS, "__version__"]
 

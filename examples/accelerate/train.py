@@ -1,0 +1,78 @@
+"""A plain Accelerate training loop that survives the loss of a worker (see README.md beside it).
+
+Four lines differ from the loop without torchpass: ``TorchPass()``, ``tp.track(...)``, ``tp.epochs`` and
+``tp.batches``. Run it with a spare::
+
+    accelerate launch --num_processes 4 -m torchpass_plugins.run --spares 1 examples/accelerate/train.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+from accelerate import Accelerator, DataLoaderConfiguration
+from accelerate.utils import set_seed
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from torchpass_plugins import TorchPass
+
+
+def data(samples: int = 768, features: int = 32, classes: int = 4) -> TensorDataset:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(samples, features, generator=g)
+    y = (x @ torch.randn(features, classes, generator=g)).argmax(dim=1)
+    return TensorDataset(x, y)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--epochs", type=int, default=2)
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--accumulation", type=int, default=2)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path, default=None, help="write the final weights and the steps applied here")
+    args = p.parse_args()
+
+    set_seed(args.seed)
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Dropout(0.1), nn.Linear(64, 4))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    loader = DataLoader(data(), batch_size=args.batch_size, shuffle=True)
+
+    tp = TorchPass(seed=args.seed)  # before Accelerator(): joins the job (a spare waits here until it takes a rank)
+    accelerator = Accelerator(gradient_accumulation_steps=args.accumulation, cpu=not torch.cuda.is_available(),
+                              dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True))
+    # Accelerate steps a scheduler once per process per optimizer step
+    steps = args.epochs * len(loader) // args.accumulation
+    scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=1e-2, total_steps=steps)
+    model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
+    tp.track(accelerator, model=model, optimizer=optimizer, scheduler=scheduler, loader=loader)
+
+    record = None  # one line per optimizer step this process applies (read by the tests)
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        record = open(args.out / f"applied_rank{accelerator.process_index}.txt", "a", buffering=1)
+    for epoch in tp.epochs(args.epochs):
+        model.train()
+        for x, y in tp.batches(loader):
+            with accelerator.accumulate(model):
+                loss = nn.functional.cross_entropy(model(x), y)
+                accelerator.backward(loss)
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad()
+            if record is not None and accelerator.sync_gradients:
+                record.write(f"{tp.applied - 1}\n")
+        accelerator.print(f"epoch {epoch}: loss {loss.item():.4f}")
+
+    if args.out is not None and accelerator.is_main_process:
+        weights = {k: v.clone() for k, v in accelerator.unwrap_model(model).state_dict().items()}
+        torch.save({"weights": weights, "applied": tp.applied}, args.out / "final.pt")
+        (args.out / "summary.json").write_text(json.dumps({"steps": tp.applied, "loss": loss.item()}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,75 @@
+"""A plain Accelerate loop (``examples/accelerate/train.py``: AdamW, a scheduler, a shuffled loader through
+``prepare``, gradient accumulation 2, dropout) under ``accelerate launch`` with the torchpass supervisor:
+a killed worker is replaced live and the run ends bit-identical to the failure-free one."""
+
+from __future__ import annotations
+
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from jobs import REPO, Job, free_port, run, run_command
+
+from torchpass_plugins.accelerate_loop import TorchPass, UnprotectedRunWarning, check_loader
+from torchpass_plugins.errors import ConfigError
+
+EXAMPLE = REPO / "examples" / "accelerate" / "train.py"
+STEPS = 16  # 2 passes over 768 samples, 3 ranks x 16 per batch, 2 micro-batches per step
+
+
+def _accelerate(run_dir: Path, processes: int, spares: int, faults: str = "") -> Job:
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(processes),
+           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+           "--main_process_port", str(free_port()),
+           "-m", "torchpass_plugins.run", "--spares", str(spares), "--run-dir", str(run_dir),
+           str(EXAMPLE), "--out", str(run_dir / "out")]  # fmt: skip
+    job, codes = run_command(run_dir, cmd, faults)
+    assert codes == [0], job.output()[-4000:]
+    assert job.leftovers() == []
+    return job
+
+
+@pytest.fixture(scope="module")
+def failure_free(tmp_path_factory):
+    """Under ``torchpass launch`` (quicker to start): the launcher does not change the result."""
+    job, codes = run(Path(tmp_path_factory.mktemp("accelerate-reference")), nproc=3, spares=0, script=EXAMPLE)
+    assert codes == [0], job.output()[-3000:]
+    return job
+
+
+@pytest.mark.parametrize("fault", ["kill@rank=1,step=9,phase=reduce", "kill@rank=0,step=3,phase=boundary"])
+def test_a_killed_worker_of_an_accelerate_loop_is_replaced_bit_exactly(tmp_path, failure_free, fault):
+    job = _accelerate(tmp_path, processes=4, spares=1, faults=fault)
+    assert [e["rank"] for e in job.events("failure_detected")] == [int(fault.split("rank=")[1][0])]
+    assert len(job.events("state_received")) == 1
+    final, expected = job.final(), failure_free.final()
+    assert final["applied"] == expected["applied"] == STEPS
+    for name, tensor in expected["weights"].items():
+        assert torch.equal(final["weights"][name], tensor), f"{name} differs from the failure-free run"
+    for rank in range(3):  # every optimizer step applied exactly once on every logical rank
+        assert job.applied(rank) == list(range(STEPS)), f"rank {rank} applied {job.applied(rank)}"
+
+
+def test_without_a_supervisor_the_loop_runs_unprotected_after_one_warning(monkeypatch):
+    monkeypatch.delenv("TORCHPASS_STORE", raising=False)
+    with pytest.warns(UnprotectedRunWarning, match="the loss of any worker will end the job"):
+        tp = TorchPass()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing more is said
+        tp.track(object(), model=torch.nn.Linear(2, 2))
+        assert list(tp.epochs(2)) == [0, 1]
+        assert list(tp.batches([1, 2, 3])) == [1, 2, 3]
+
+
+def test_a_shuffled_loader_without_a_seedable_sampler_is_refused_with_the_fix():
+    from accelerate import Accelerator, DataLoaderConfiguration
+    from torch.utils.data import DataLoader, TensorDataset
+
+    data = TensorDataset(torch.arange(8.0))
+    plain = Accelerator(cpu=True).prepare(DataLoader(data, batch_size=2, shuffle=True))
+    with pytest.raises(ConfigError, match="use_seedable_sampler=True"):
+        check_loader(plain)
+    seeded = Accelerator(cpu=True, dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True))
+    check_loader(seeded.prepare(DataLoader(data, batch_size=2, shuffle=True)))
