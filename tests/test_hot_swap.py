@@ -119,6 +119,27 @@ def test_two_nodes_survive_a_loss_on_either_node(tmp_path, reference):
     assert lost == ["n0-s1-i0", "n1-s0-i0"]
 
 
+def test_a_lost_node_with_its_agent_is_replaced_by_a_spare_on_another_node(tmp_path, reference):
+    # 3 agents x 1 slot: rank 0 on node 0 (which hosts the coordinator), rank 1 on node 1, the spare on
+    # node 2. Node 1 dies whole: its agent and its worker at once, so no agent reports the exit.
+    train = ("--devices", "1", "--num-nodes", "2", "--max-steps", str(STEPS))
+    job = start(tmp_path, nproc=1, spares=1, nnodes=3, train_args=(*train, "--sleep-per-step", "0.2"),
+                launch_args=("--heartbeat-timeout", "3"))
+    try:
+        job.wait_until(lambda: len(job.applied(1)) >= 5, "rank 1 to train")
+        node1 = [e["pid"] for e in job.events("worker_started") if e["source"] == "agent1"]
+        os.killpg(job.agents[1].pid, signal.SIGKILL)
+        for pid in node1:
+            os.kill(pid, signal.SIGKILL)
+        codes = job.wait()
+    finally:
+        job.kill()
+    assert codes[1] == -signal.SIGKILL  # the lost node's agent; the others end the job normally
+    assert_bit_exact(job, [codes[0], codes[2]], reference(2, ("--devices", "1", "--num-nodes", "2")), world=2)
+    assert [e["node"] for e in job.events("node_lost")] == [1]
+    assert [e["worker"] for e in job.events("failure_detected")] == ["n1-s0-i0"]
+
+
 def test_more_failures_than_spares_stop_the_job_clearly(tmp_path):
     job, codes = run(tmp_path, train_args=TRAIN, launch_args=("--no-refill", "--max-restarts", "0"),
                      faults="kill@rank=1,step=3,phase=boundary;kill@rank=2,step=8,phase=boundary")

@@ -72,6 +72,16 @@ DRAIN_KEY = "drain"
 TRAINED_KEY = "trained"
 
 
+def agent_beat_key(node: int) -> str:
+    """Counted up by the agent of ``node`` at every supervision check: node 0's agent watches it."""
+    return f"agent_hb/{node}"
+
+
+def node_lost_key(node: int) -> str:
+    """Set when the coordinator has written ``node`` off: its agent, if it is still alive, stops its workers."""
+    return f"node_lost/{node}"
+
+
 def reached_key(rank: int) -> str:
     """Optimizer steps a logical rank had applied when its attempt was aborted."""
     return f"reached/{rank}"

@@ -35,8 +35,10 @@ from torchpass_plugins.membership import (
     RESTART_KEY,
     UNRECOVERABLE_EXIT,
     WorkerEnv,
+    agent_beat_key,
     connect_store,
     heartbeat_key,
+    node_lost_key,
     prefixed,
 )
 from torchpass_plugins.metrics import serve
@@ -159,6 +161,8 @@ class Agent:
             self._spawn(slot)
         watch = threading.Thread(target=self._watch_health, name="torchpass-health", daemon=True)
         watch.start()
+        if cfg.node_rank == 0 and cfg.nnodes > 1 and not cfg.external_store:
+            threading.Thread(target=self._watch_nodes, name="torchpass-nodes", daemon=True).start()
         metrics = serve(cfg.metrics_addr, cfg.run_dir) if cfg.metrics_addr and cfg.node_rank == 0 else None
         try:
             code = self._supervise()
@@ -249,6 +253,11 @@ class Agent:
                     message = self.store.get(ABORT_KEY).decode()
                     print(f"torchpass: job aborted: {message}", file=sys.stderr, flush=True)
                     return 1
+                if self.store.check([node_lost_key(cfg.node_rank)]):
+                    print("torchpass: the job wrote this node off (its agent was silent too long); stopping its "
+                          "workers", file=sys.stderr, flush=True)
+                    return 1
+                self.store.add(agent_beat_key(cfg.node_rank), 1)
                 done = self.store.check([DONE_KEY])
             alive = 0
             for slot in self.slots:
@@ -282,11 +291,40 @@ class Agent:
         while not self.store.check([DONE_KEY]) and time.monotonic() < deadline:
             if self.store.check([RESTART_KEY]):
                 return None
+            self.store.add(agent_beat_key(self.config.node_rank), 1)  # still here, waiting
             time.sleep(_TICK)
         outcome = self.store.get(DONE_KEY).decode() if self.store.check([DONE_KEY]) else "no verdict"
         if outcome != "done":
             print(f"torchpass: job ended without success: {outcome}", file=sys.stderr, flush=True)
         return 0 if outcome == "done" else 1
+
+    # -- other nodes ----------------------------------------------------------------------------------
+    def _watch_nodes(self) -> None:
+        """Node 0: a node whose agent stops counting up its beat for ``heartbeat_timeout`` is lost with all
+        its workers (a machine that died takes its agent along, and only an agent reports its workers'
+        exits): the coordinator replaces them as if each had exited."""
+        cfg = self.config
+        seen: dict[int, tuple[int, float]] = {}
+        lost: set[int] = set()
+        attempt, store = -1, None
+        while not self._done.wait(cfg.heartbeat_interval):
+            if attempt != self.attempt:  # every attempt counts anew, under its own keys
+                attempt, store, seen = self.attempt, prefixed(self._client.clone(), self.attempt), {}
+            if store.check([DONE_KEY]):
+                continue
+            now = time.monotonic()
+            for node in range(1, cfg.nnodes):
+                if node in lost:
+                    continue
+                beats = int(store.add(agent_beat_key(node), 0))
+                if beats == 0 or seen.get(node, (None,))[0] != beats:
+                    seen[node] = (beats, now)
+                elif now - seen[node][1] > cfg.heartbeat_timeout:
+                    lost.add(node)
+                    why = f"the agent of node {node} was silent for {now - seen[node][1]:.1f} s"
+                    self.events.emit("node_lost", node=node, why=why)
+                    store.set(node_lost_key(node), why)
+                    store.queue_push(INBOX, json.dumps({"node_lost": node, "why": why}))
 
     # -- device health --------------------------------------------------------------------------------
     def _watch_health(self) -> None:

@@ -97,6 +97,11 @@ class Coordinator:
         for m in messages:
             if "exit" in m:
                 self._on_exit(m["exit"], m["code"], m.get("why", ""), lost)
+            elif "node_lost" in m:  # its agent is gone: each of its workers still at work counts as exited
+                working = [w for r, w in enumerate(self.ranks) if r not in self.finished]
+                on_node = [w for w in {*working, *self.spares} if slot_order(w)[0] == m["node_lost"]]
+                for worker_id in sorted(on_node, key=slot_order):
+                    self._on_exit(worker_id, -9, m["why"], lost)
         if lost and self.outcome is None:
             self._replace(lost)
         return not any("stop" in m for m in messages)
