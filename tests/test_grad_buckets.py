@@ -40,16 +40,18 @@ def test_buckets_average_and_keep_local_gradients_that_alias_last_steps_buckets(
         assert torch.equal(p.grad, local[name] / 2)
         assert p.grad.untyped_storage().data_ptr() != local[name].untyped_storage().data_ptr()
 
-    # zero_grad(set_to_none=False): the next backward accumulates into last step's bucket views.
-    old_views = {name: p.grad for name, p in model.named_parameters()}
-    model.zero_grad(set_to_none=False)
-    buckets.overlap_with(transport)
-    model(torch.randn(4, 8)).sum().backward()
-    local = {name: p.grad.clone() for name, p in model.named_parameters()}
-    buckets.complete(transport)
-    for name in local:
-        assert torch.equal(old_views[name], local[name])  # a retry could still start from them
-    buckets.write_back(world_size=2)
-    for name, p in model.named_parameters():
-        assert torch.equal(p.grad, local[name] / 2)
+    # zero_grad(set_to_none=False): the next backward accumulates into last step's bucket views (the
+    # buckets' two buffers alternate: the third step reduces into the first step's buffers again).
+    for _ in range(2):
+        old_views = {name: p.grad for name, p in model.named_parameters()}
+        model.zero_grad(set_to_none=False)
+        buckets.overlap_with(transport)
+        model(torch.randn(4, 8)).sum().backward()
+        local = {name: p.grad.clone() for name, p in model.named_parameters()}
+        buckets.complete(transport)
+        for name in local:
+            assert torch.equal(old_views[name], local[name])  # a retry could still start from them
+        buckets.write_back(world_size=2)
+        for name, p in model.named_parameters():
+            assert torch.equal(p.grad, local[name] / 2)
     member.close()

@@ -6,6 +6,11 @@ which is what makes recovery bit-exact. During the backward of the step's last m
 issued as soon as its gradients are ready *and* every lower bucket was issued, so every rank issues the
 same sequence. The local gradients are copied into the buckets, never reduced in place, so a failed
 reduction can be retried from them.
+
+Each bucket has two flat buffers, allocated once and used in alternate steps (a fresh allocation per
+step costs the kernel's page zeroing every step): after a step the gradients are views of one buffer,
+so the next step, which may have accumulated into those views (``zero_grad(set_to_none=False)``), is
+copied into the other.
 """
 
 from __future__ import annotations
@@ -31,6 +36,8 @@ class GradientBuckets:
             else:
                 self.buckets.append([p])
         self._bucket_of = {id(p): i for i, bucket in enumerate(self.buckets) for p in bucket}
+        self._flat: list[list[torch.Tensor]] = [[], []]  # per parity: one flat buffer per bucket
+        self._parity = 0
         self._overlapping: Transport | None = None
         self._ready = [0] * len(self.buckets)
         self._restart()
@@ -38,9 +45,10 @@ class GradientBuckets:
             p.register_post_accumulate_grad_hook(self._on_grad)
 
     def overlap_with(self, transport: Transport) -> None:
-        """Issue buckets during the coming backward, on ``transport``'s group at that time."""
+        """A new step: issue buckets during the coming backward, on ``transport``'s group at that time."""
         self._overlapping = transport
         self._ready = [0] * len(self.buckets)
+        self._parity ^= 1
         self._restart()
 
     def _restart(self) -> None:
@@ -57,8 +65,18 @@ class GradientBuckets:
             n += 1
 
     def _issue(self, b: int, transport: Transport) -> None:
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.buckets[b]]
-        self._buffers.append(torch.cat([g.reshape(-1) for g in grads]))
+        bucket, flats = self.buckets[b], self._flat[self._parity]
+        if len(flats) == b:
+            flats.append(torch.empty(sum(p.numel() for p in bucket), dtype=bucket[0].dtype, device=bucket[0].device))
+        offset = 0
+        for p in bucket:
+            view = flats[b][offset : offset + p.numel()]
+            if p.grad is None:
+                view.zero_()
+            else:
+                view.copy_(p.grad.reshape(-1))
+            offset += p.numel()
+        self._buffers.append(flats[b])
         work = None
         if transport.pg is not None and not transport.stale():
             try:

@@ -8,7 +8,8 @@ thread too). A round must be complete
 before the step's first gradient reduction (:meth:`fence`), so a failure after that point always finds
 the boundary's shards replicated. Each rank keeps its own last two packed snapshots (to roll back in
 memory) and the last two complete replicas it received (double buffering: a round in flight never
-overwrites the one a recovery may need).
+overwrites the one a recovery may need). A round packs into, and receives into, the buffers of the
+oldest snapshot and replica, which it retires first, so steady state allocates nothing.
 """
 
 from __future__ import annotations
@@ -70,9 +71,8 @@ class RingReplicator:
         self._thread.start()
 
     def _round(self, step: int, shard_state: Any, host: Any) -> None:
-        mine = Packed(*pack(shard_state), host)
+        mine = Packed(*pack(shard_state, into=_retire_oldest(self.own)), host)
         self.own[step] = mine
-        _trim(self.own)
         self._exchange(step, mine)
 
     def fence(self) -> None:
@@ -98,7 +98,9 @@ class RingReplicator:
             _both(side, [side.pg.send([header], succ, 0), side.pg.recv([theirs], pred, 0)])
             got_step, meta_n, payload_n = theirs.tolist()
             meta = torch.empty(meta_n, dtype=torch.uint8)
-            payload = torch.empty(payload_n, dtype=torch.uint8)
+            payload = _retire_oldest(self.replicas)
+            if payload is None or payload.numel() != payload_n:
+                payload = torch.empty(payload_n, dtype=torch.uint8)
             works = [side.pg.send([mine.meta], succ, 1), side.pg.recv([meta], pred, 1)]
             if mine.payload.numel():
                 works.append(side.pg.send([mine.payload], succ, 2))
@@ -106,7 +108,6 @@ class RingReplicator:
                 works.append(side.pg.recv([payload], pred, 2))
             _both(side, works)
             self.replicas[got_step] = Packed(meta, payload)
-            _trim(self.replicas)
         except PeerFailure as exc:
             self._error = str(exc)
 
@@ -116,6 +117,9 @@ def _both(side: Transport, works: list) -> None:
         side.wait(work, "replication send/recv")
 
 
-def _trim(packs: dict[int, Packed]) -> None:
-    for step in sorted(packs)[:-KEEP]:
-        del packs[step]
+def _retire_oldest(packs: dict[int, Packed]) -> torch.Tensor | None:
+    """Make room for one more round (``KEEP`` at most) and return the payload buffer of the round retired."""
+    payload = None
+    for step in sorted(packs)[: max(0, len(packs) - KEEP + 1)]:
+        payload = packs.pop(step).payload
+    return payload

@@ -51,12 +51,16 @@ def _fill(skeleton: Any, payload: torch.Tensor) -> Any:
     return map_leaves(skeleton, tensor)
 
 
-def pack(state: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    """Return (structure as uint8 pickle, all tensor bytes as one uint8 buffer)."""
+def pack(state: Any, into: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Return (structure as uint8 pickle, all tensor bytes as one uint8 buffer); the bytes go into ``into``
+    when it has exactly their size (a buffer reused across rounds costs no fresh pages)."""
     chunks: list[torch.Tensor] = []
     skeleton = _strip(state, chunks)
     meta = torch.frombuffer(bytearray(pickle.dumps(skeleton)), dtype=torch.uint8)
-    payload = torch.cat(chunks) if chunks else torch.empty(0, dtype=torch.uint8)
+    if into is not None and into.numel() == sum(c.numel() for c in chunks):
+        payload = torch.cat(chunks, out=into) if chunks else into
+    else:
+        payload = torch.cat(chunks) if chunks else torch.empty(0, dtype=torch.uint8)
     return meta, payload
 
 
