@@ -119,6 +119,18 @@ def test_two_nodes_survive_a_loss_on_either_node(tmp_path, reference):
     assert lost == ["n0-s1-i0", "n1-s0-i0"]
 
 
+def test_a_rank_that_stalls_the_collectives_is_found_and_replaced(tmp_path, reference):
+    # Alive and beating, but never entering the next collective: the others' collectives time out, they
+    # report it, and the one that did not is evicted and replaced.
+    train = (*TRAIN, "--collective-timeout", "4")
+    job, codes = run(tmp_path, train_args=train, faults="stall@rank=1,step=6,phase=boundary")
+    assert_bit_exact(job, codes, reference())
+    stalled = job.events("collective_stalled")
+    assert [e["workers"] for e in stalled] == [["n0-s1-i0"]] and len(stalled[0]["timed_out"]) == 2
+    assert [e["worker"] for e in job.events("worker_evicted")] == ["n0-s1-i0"]
+    assert [e["rank"] for e in job.events("failure_detected")] == [1]
+
+
 def test_a_lost_node_with_its_agent_is_replaced_by_a_spare_on_another_node(tmp_path, reference):
     # 3 agents x 1 slot: rank 0 on node 0 (which hosts the coordinator), rank 1 on node 1, the spare on
     # node 2. Node 1 dies whole: its agent and its worker at once, so no agent reports the exit.

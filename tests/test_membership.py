@@ -16,12 +16,14 @@ from torchpass_plugins.membership import (
     ABORT_KEY,
     DONE_KEY,
     INBOX,
+    RESTART_KEY,
     TRAINED_KEY,
     Member,
     Roster,
     WorkerEnv,
     assign_key,
     connect_store,
+    evict_key,
     prefixed,
     roster_key,
     watch_key,
@@ -103,6 +105,25 @@ def test_a_worker_that_joins_after_the_job_ended_is_told_to_exit(store, tmp_path
         assert late.wait_assignment() == {"exit": "done"}
     finally:
         late.close()
+
+
+def test_when_every_rank_timed_out_no_one_is_blamed_and_the_job_restarts(store, tmp_path):
+    # A stalled rank is one that did not time out with the others; if all did, none is evicted.
+    master, s = store
+    c = Coordinator(s, "tok", processes=2, world_size=2, events=EventLog(None), restarts_left=1,
+                    timer_store=prefixed(master.clone()))
+    for w in ("n0-s0-i0", "n0-s1-i0"):
+        _join(s, w)
+    c.poll()
+    for w in ("n0-s0-i0", "n0-s1-i0"):
+        s.queue_push(INBOX, json.dumps({"stalled": w, "gen": 0, "grace_s": 0.05, "why": "timed out"}))
+    c.poll()
+    deadline = time.monotonic() + 10
+    while not s.check([RESTART_KEY]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+        c.poll()  # the verdict arrives through the inbox once the grace has passed
+    assert "every rank's collective timed out in generation 0" in s.get(RESTART_KEY).decode()
+    assert not s.check([evict_key("n0-s0-i0")]) and not s.check([evict_key("n0-s1-i0")])
 
 
 def test_a_worker_lost_after_training_completed_is_not_replaced(store, tmp_path):

@@ -5,7 +5,9 @@ logical rank 1 SIGKILL itself at step 5 while the gradient all-reduce is in flig
 fault fires once per run (a marker file in the run directory), so the spare that replays the step does
 not fail again. Actions: ``kill`` (SIGKILL), ``stop`` (SIGSTOP: a hang), ``exit`` (``os._exit(3)``),
 ``raise`` (an exception in the training process), ``slow`` (from then on, this process sleeps ``seconds``
-at every step boundary: a straggler; the spare that replaces it is not slow). Phases: ``boundary``
+at every step boundary: a straggler; the spare that replaces it is not slow), ``stall`` (the training
+thread stops for good while the process stays alive and keeps its heartbeat: the others wait in their
+next collective, which times out). Phases: ``boundary``
 (start of the step), ``reduce`` (gradient all-reduce issued, not yet complete), ``commit`` (reduced, not
 yet committed), ``optimizer`` (the optimizer has applied the committed update; Lightning's step
 bookkeeping has not run yet).
@@ -19,7 +21,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-ACTIONS = ("kill", "stop", "exit", "raise", "slow")
+ACTIONS = ("kill", "stop", "exit", "raise", "slow", "stall")
 PHASES = ("boundary", "reduce", "commit", "optimizer")
 
 
@@ -90,4 +92,7 @@ def _fire(fault: Fault) -> None:
         os.kill(os.getpid(), signal.SIGSTOP)
     elif fault.action == "exit":
         os._exit(3)
+    elif fault.action == "stall":
+        while True:
+            time.sleep(60)
     raise RuntimeError(f"torchpass fault injected: {fault}")

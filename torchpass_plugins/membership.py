@@ -61,6 +61,7 @@ def watch_key(worker_id: str, gen: int) -> str:
 
 LEAVING = 1 << 40  # added to a heartbeat counter by a worker on its way out: no hang check from then on
 INBOX = "inbox"  # the coordinator's one input queue: JSON messages {"join": w} / {"exit": w, ...} / {"stop": 1}
+# (and {"stalled": w, "gen": g, "grace_s": x}: w's collective timed out while generation g was current)
 ABORT_KEY = "abort"
 RESTART_KEY = "restart"  # set instead of ABORT_KEY when the agents are to restart every worker
 DONE_KEY = "done"  # the job's outcome, set by the coordinator when it ends ("done" on success)
@@ -70,6 +71,12 @@ DRAIN_KEY = "drain"
 # Set by a rank that passed the barrier ending ``fit``: from then on every rank has finished training, so a
 # worker lost afterwards (in the script's code after ``fit``, or at exit) is not replaced.
 TRAINED_KEY = "trained"
+
+
+def evict_key(worker_id: str) -> str:
+    """Set by the coordinator for a worker it replaced while the process lives on (it stalled the others'
+    collectives): its agent SIGKILLs it."""
+    return f"evict/{worker_id}"
 
 
 def agent_beat_key(node: int) -> str:

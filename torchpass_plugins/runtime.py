@@ -156,6 +156,7 @@ class Runtime:
         self.drain: tuple[int, int, str] | None = None  # agreed planned migration: (boundary, rank, its worker)
         self._judged = -1  # the step of the last straggler verdict
         self._asked_to_move = False
+        self._stall_reported = -1  # the generation of this rank's last stall report
         # run before the live training state is overwritten in memory (a rollback): e.g. a snapshot's
         # background copy of that state must finish first
         self.rollback_hooks: list[Callable[[], object]] = []
@@ -285,6 +286,7 @@ class Runtime:
         completed (``reduced``) gradient reduction is committed."""
         t0 = time.perf_counter()
         while True:
+            self._report_stall(cause)
             gen = self.next_roster()
             try:
                 t_connect = time.perf_counter()
@@ -318,6 +320,18 @@ class Runtime:
                 retries_collective=pos >= agreement.target,
             )
             return self.rank in agreement.committed
+
+    def _report_stall(self, cause: str) -> None:
+        """Tell the coordinator, once per generation, that this rank's group failed with no newer roster in
+        sight: if a peer is alive but stalled outside the collective, only these reports reveal it."""
+        gen = self.transport.gen
+        if self.transport.pg is None or self.member.latest_gen > gen or self._stall_reported == gen:
+            return
+        self._stall_reported = gen
+        self.member.store.queue_push(INBOX, json.dumps({
+            "stalled": self.env.worker_id, "gen": gen, "why": cause,
+            "grace_s": self.transport.timeout.total_seconds() / 2,  # the others time out within this
+        }))
 
     def next_roster(self) -> int:
         """Wait for a roster newer than the current group's; returns its generation (raises if it aborts)."""

@@ -80,6 +80,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--sleep-per-step", type=float, default=0.0)
     p.add_argument("--val-every", type=int, default=0, help="validate every N training batches (0: never)")
     p.add_argument("--bucket-cap-mb", type=float, default=None, help="gradient bucket size (several buckets)")
+    p.add_argument("--collective-timeout", type=float, default=None, help="torchpass_ddp: seconds per collective")
     p.add_argument("--strategy", choices=["torchpass_ddp", "torchpass_fsdp"], default="torchpass_ddp")
     p.add_argument("--replicate-every", type=int, default=1, help="torchpass_fsdp: ring replica refresh interval")
     p.add_argument("--freeze-first", action="store_true", help="freeze the first layer (a frozen backbone)")
@@ -105,8 +106,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.strategy == "torchpass_fsdp":
         strategy = TorchPassFSDPStrategy(auto_wrap_policy={nn.Linear}, replicate_every_n_steps=args.replicate_every,
                                          state_filter=trainable_only if args.model_aware else None)
-    elif args.bucket_cap_mb:
-        strategy = TorchPassDDPStrategy(bucket_cap_mb=args.bucket_cap_mb)
+    elif args.bucket_cap_mb or args.collective_timeout:
+        strategy = TorchPassDDPStrategy(bucket_cap_mb=args.bucket_cap_mb or 4.0, timeout=args.collective_timeout or 300)
     trainer = L.Trainer(
         accelerator="cpu",
         strategy=strategy,

@@ -37,6 +37,7 @@ from torchpass_plugins.membership import (
     WorkerEnv,
     agent_beat_key,
     connect_store,
+    evict_key,
     heartbeat_key,
     node_lost_key,
     prefixed,
@@ -186,7 +187,8 @@ class Agent:
         self.store = prefixed(self._client, self.attempt)
         if cfg.node_rank == 0:
             self.coordinator = Coordinator(prefixed(self._client.clone(), self.attempt), self.token, cfg.processes,
-                                           cfg.world_size, self.events, restarts_left=cfg.max_restarts - self.attempt)
+                                           cfg.world_size, self.events, restarts_left=cfg.max_restarts - self.attempt,
+                                           timer_store=prefixed(self._client.clone(), self.attempt))
             self._coordinator_thread = threading.Thread(target=self.coordinator.run, daemon=True)
             self._coordinator_thread.start()
 
@@ -358,6 +360,12 @@ class Agent:
         store.queue_push(INBOX, json.dumps({"migrate": slot.worker_id, "why": why}))
 
     def _check_heartbeat(self, slot: _Slot) -> None:
+        if self.store.check([evict_key(slot.worker_id)]):  # alive, but it stalled the others: replaced
+            why = self.store.get(evict_key(slot.worker_id)).decode()
+            self.events.emit("worker_evicted", worker=slot.worker_id, why=why)
+            slot.proc.kill()
+            slot.proc.wait()
+            return
         beats = int(self.store.add(heartbeat_key(slot.worker_id), 0))
         now = time.monotonic()
         if beats != slot.beats:

@@ -9,6 +9,7 @@ assignments (``assign/{worker}``). One failure costs O(world size) small keys.
 from __future__ import annotations
 
 import json
+import threading
 from collections import deque
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -28,6 +29,7 @@ from torchpass_plugins.membership import (
     Roster,
     abort_request_key,
     assign_key,
+    evict_key,
     roster_key,
     watch_key,
 )
@@ -69,6 +71,9 @@ class Coordinator:
     _moves: int = 0
     _left: set[str] = field(default_factory=set)  # left for a migration that could not happen
     _waiting: list[str] = field(default_factory=list)
+    # the workers whose collective timed out, per generation, until the verdict on who stalled them
+    _stalled: dict[int, set[str]] = field(default_factory=dict)
+    timer_store: dist.Store | None = None  # a connection of its own for delayed messages (default: ``store``)
 
     def run(self) -> None:
         """Handle messages as they arrive, until a ``stop`` message (pushed by the hosting agent)."""
@@ -95,7 +100,11 @@ class Coordinator:
                 self._on_drained(m["drained"])
         lost: list[int] = []
         for m in messages:
-            if "exit" in m:
+            if "stalled" in m:
+                self._on_stalled(m["stalled"], m["gen"], m["grace_s"])
+            elif "stall_verdict" in m:
+                self._on_stall_verdict(m["stall_verdict"], lost)
+            elif "exit" in m:
                 self._on_exit(m["exit"], m["code"], m.get("why", ""), lost)
             elif "node_lost" in m:  # its agent is gone: each of its workers still at work counts as exited
                 working = [w for r, w in enumerate(self.ranks) if r not in self.finished]
@@ -188,6 +197,35 @@ class Coordinator:
             return
         self.events.emit("failure_detected", worker=worker_id, rank=rank, code=code, why=why, gen=self.gen)
         lost.append(rank)
+
+    def _on_stalled(self, worker_id: str, gen: int, grace_s: float) -> None:
+        """A collective of ``worker_id`` timed out in generation ``gen``. Unless a new roster comes first (a
+        lost peer is reported by its agent within moments), the workers of ``gen`` that did not time out
+        too after ``grace_s`` are the ones the others wait for: alive (they beat) but not in the collective."""
+        if self.outcome is not None or gen != self.gen:
+            return
+        if gen not in self._stalled:
+            self._stalled[gen] = set()
+            store = self.timer_store or self.store
+            timer = threading.Timer(grace_s, lambda: store.queue_push(INBOX, json.dumps({"stall_verdict": gen})))
+            timer.daemon = True
+            timer.start()
+        self._stalled[gen].add(worker_id)
+
+    def _on_stall_verdict(self, gen: int, lost: list[int]) -> None:
+        timed_out = self._stalled.pop(gen, set())
+        if self.outcome is not None or gen != self.gen:
+            return
+        silent = [w for r, w in enumerate(self.ranks) if w not in timed_out and r not in self.finished]
+        if not silent:
+            self._abort(f"every rank's collective timed out in generation {gen}, none of them was lost: a "
+                        "collective that not all ranks issue, or a network fault", restartable=True)
+            return
+        why = f"stalled the collectives of generation {gen}: alive, but not in them when the others timed out"
+        self.events.emit("collective_stalled", gen=gen, workers=silent, timed_out=sorted(timed_out))
+        for worker_id in silent:
+            self.store.set(evict_key(worker_id), why)
+            self._on_exit(worker_id, -9, why, lost)
 
     def _replace(self, lost: list[int]) -> None:
         if self.finished or self.store.check([TRAINED_KEY]):
