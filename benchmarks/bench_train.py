@@ -18,19 +18,11 @@ from typing import Any
 
 import lightning as L
 import torch
+from _bench_data import claim, make_dataset
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.plugins.io import AsyncCheckpointIO
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
-
-
-def make_dataset(samples: int, features: int, classes: int, seed: int) -> TensorDataset:
-    """A fixed synthetic classification task (a random linear teacher), identical on every rank."""
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(samples, features, generator=g)
-    teacher = torch.randn(features, classes, generator=g)
-    y = (x @ teacher + 0.1 * torch.randn(samples, classes, generator=g)).argmax(dim=1)
-    return TensorDataset(x, y)
+from torch.utils.data import DataLoader
 
 
 class MLP(L.LightningModule):
@@ -65,8 +57,9 @@ class StepRecorder(Callback):
     marker file makes the kill happen once per run, so a restarted or replacing worker does not die again.
     """
 
-    def __init__(self, out: Path, kill_rank: int, kill_step: int, self_kill: bool) -> None:
+    def __init__(self, out: Path, kill_rank: int, kill_step: int, self_kill: bool, save_weights: bool = False) -> None:
         self.out, self.kill_rank, self.kill_step, self.self_kill = out, kill_rank, kill_step, self_kill
+        self.save_weights = save_weights
         self._seen: int | None = None
         self._file: Any = None
 
@@ -78,7 +71,7 @@ class StepRecorder(Callback):
         # Plain DDP all-reduces inside backward: die before it, or the survivors would apply the step.
         if self.self_kill and self._in_flight(trainer):
             self._mark()
-            if _claim(self.out / "kill.fired"):
+            if claim(self.out / "kill.fired"):
                 os.kill(os.getpid(), signal.SIGKILL)
 
     def on_after_backward(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -106,6 +99,8 @@ class StepRecorder(Callback):
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self._file is not None:
             self._file.close()
+        if self.save_weights:  # the final weights, to compare runs with and without a failure
+            torch.save(pl_module.net.state_dict(), self.out / f"weights_rank{trainer.global_rank}.pt")
 
 
 class SaveTimer(Callback):
@@ -124,14 +119,6 @@ class SaveTimer(Callback):
             trainer.save_checkpoint(self.out / "saves" / f"step-{step}.ckpt")
             with open(self.out / f"saves_rank{trainer.global_rank}.txt", "a") as f:
                 f.write(f"{step} {time.perf_counter() - t0:.6f}\n")
-
-
-def _claim(marker: Path) -> bool:
-    try:
-        os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
-    except FileExistsError:
-        return False
-    return True
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -154,11 +141,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--async-io", action="store_true", help="with --save-every: Lightning's AsyncCheckpointIO")
     p.add_argument("--kill-rank", type=int, default=-1)
     p.add_argument("--kill-step", type=int, default=-1)
+    p.add_argument("--save-weights", action="store_true", help="write OUT/weights_rank{r}.pt at the end")
     args = p.parse_args(argv)
 
     args.out.mkdir(parents=True, exist_ok=True)
     callbacks: list[Callback] = [
-        StepRecorder(args.out, args.kill_rank, args.kill_step, self_kill=args.strategy == "ddp")
+        StepRecorder(args.out, args.kill_rank, args.kill_step, self_kill=args.strategy == "ddp",
+                     save_weights=args.save_weights)
     ]
     strategy: Any = args.strategy
     if args.strategy.startswith("torchpass"):

@@ -13,6 +13,7 @@ Run ``python benchmarks/regain.py`` (full) or ``--smoke`` (tiny, checks the pipe
 from __future__ import annotations
 
 import sys
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -107,11 +108,12 @@ def measure(mode: str, rep: int, out: Path, kill_step: int, exit_code: int) -> R
     return Result(mode, rep, max(per_rank.values()), per_rank, first, recomputed, exit_code, kill)
 
 
-def run_torchpass(size: Size, work: Path, rep: int) -> Result:
+def run_torchpass(size: Size, work: Path, rep: int, extra: Sequence[str] = ()) -> Result:
+    """One run with the kill; ``extra``: more ``bench_train.py`` flags (``torchft_compare.py`` saves weights)."""
     run_dir, out = work / "run", work / "out"
     env = worker_env()
     env["TORCHPASS_FAULTS"] = f"kill@rank={KILL_RANK},step={size.kill_step},phase=reduce"
-    cmd = torchpass_cmd(DEVICES + 1, 1, run_dir, script_args(size, out, "torchpass_ddp", ckpt=False))
+    cmd = torchpass_cmd(DEVICES + 1, 1, run_dir, [*script_args(size, out, "torchpass_ddp", ckpt=False), *extra])
     code = run_bounded(cmd, env, size.timeout_s, work / "launcher.log")
     if code != 0:
         raise RunFailed(f"torchpass launch exited {code}\n{tail(work / 'launcher.log')}")

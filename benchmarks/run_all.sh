@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Runs every benchmark in turn; each rewrites only its own section of docs/benchmarks.md
-# (with --smoke: of benchmarks/out/benchmarks-smoke.md, and tiny sizes).
+# (with --smoke: of benchmarks/out/benchmarks-smoke.md, and tiny sizes). goodput comes after the
+# measurements: it reads their raw results (the full runs', also in smoke mode).
 # Usage: benchmarks/run_all.sh [--smoke]
 set -euo pipefail
 
@@ -16,9 +17,11 @@ elif [[ $# -gt 0 ]]; then
 fi
 
 status=0
-for script in regain overhead fsdp_replication snapshot_stall accelerate_loop; do
+for script in regain overhead fsdp_replication snapshot_stall accelerate_loop state_transfer torchft_compare goodput; do
   echo "== benchmarks/${script}.py ${mode[*]:-}"
+  started=${SECONDS}
   # SIGTERM on timeout lets the script kill every process it started; SIGKILL 60 s later if it cannot.
   timeout --kill-after=60 "${limit}" python "benchmarks/${script}.py" "${mode[@]}" || status=$?
+  echo "== benchmarks/${script}.py: $((SECONDS - started)) s"
 done
 exit "${status}"

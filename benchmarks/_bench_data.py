@@ -1,0 +1,28 @@
+"""What every training script of the benchmarks shares, without importing Lightning (TorchFT's replicas
+and the drivers need it too): the synthetic task and a once-per-run marker."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+from torch.utils.data import TensorDataset
+
+
+def make_dataset(samples: int, features: int, classes: int, seed: int) -> TensorDataset:
+    """A fixed synthetic classification task (a random linear teacher), identical on every rank."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(samples, features, generator=g)
+    teacher = torch.randn(features, classes, generator=g)
+    y = (x @ teacher + 0.1 * torch.randn(samples, classes, generator=g)).argmax(dim=1)
+    return TensorDataset(x, y)
+
+
+def claim(marker: Path) -> bool:
+    """True for the first caller only (across processes and restarts): creates ``marker`` exclusively."""
+    try:
+        os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return False
+    return True
