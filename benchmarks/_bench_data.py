@@ -1,13 +1,23 @@
 """What every training script of the benchmarks shares, without importing Lightning (TorchFT's replicas
-and the drivers need it too): the synthetic task and a once-per-run marker."""
+and the drivers need it too): the run's flags, the synthetic task and a once-per-run marker."""
 
 from __future__ import annotations
 
+import argparse
 import os
 from pathlib import Path
 
 import torch
 from torch.utils.data import TensorDataset
+
+
+def add_run_args(p: argparse.ArgumentParser) -> None:
+    """The flags of the model, data, schedule and kill point, the same for every contender."""
+    for flag, default in (("--max-steps", 30), ("--accumulate", 1), ("--batch-size", 32), ("--features", 64),
+                          ("--hidden", 128), ("--depth", 2), ("--classes", 10), ("--seed", 7),
+                          ("--kill-rank", -1), ("--kill-step", -1)):
+        p.add_argument(flag, type=int, default=default)
+    p.add_argument("--out", type=Path, required=True)
 
 
 def make_dataset(samples: int, features: int, classes: int, seed: int) -> TensorDataset:

@@ -21,11 +21,10 @@ import signal
 import time
 from collections.abc import Iterator
 from datetime import timedelta
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from _bench_data import claim, make_dataset
+from _bench_data import add_run_args, claim, make_dataset
 from torch import nn
 from torch.utils.data import DataLoader
 
@@ -60,17 +59,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--groups", type=int, default=3)
     p.add_argument("--lighthouse", required=True, help="the lighthouse's address (http://host:port)")
     p.add_argument("--store", required=True, help="host:port of the driver's store (the start barrier)")
-    p.add_argument("--max-steps", type=int, default=30)
-    p.add_argument("--accumulate", type=int, default=1)
-    p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--features", type=int, default=64)
-    p.add_argument("--hidden", type=int, default=128)
-    p.add_argument("--depth", type=int, default=2)
-    p.add_argument("--classes", type=int, default=10)
-    p.add_argument("--seed", type=int, default=7)
-    p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--kill-rank", type=int, default=-1)
-    p.add_argument("--kill-step", type=int, default=-1)
+    add_run_args(p)
     p.add_argument("--restarted", action="store_true", help="a replacement: skip the start barrier")
     args = p.parse_args(argv)
 

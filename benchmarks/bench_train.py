@@ -18,7 +18,7 @@ from typing import Any
 
 import lightning as L
 import torch
-from _bench_data import claim, make_dataset
+from _bench_data import add_run_args, claim, make_dataset
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.plugins.io import AsyncCheckpointIO
 from torch import nn
@@ -126,21 +126,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--strategy", choices=("torchpass_ddp", "torchpass_fsdp", "ddp"), required=True)
     p.add_argument("--replicate-every", type=int, default=1, help="torchpass_fsdp: ring replica interval (0: off)")
     p.add_argument("--devices", type=int, default=3)
-    p.add_argument("--max-steps", type=int, default=30)
-    p.add_argument("--accumulate", type=int, default=1)
-    p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--features", type=int, default=64)
-    p.add_argument("--hidden", type=int, default=128)
-    p.add_argument("--depth", type=int, default=2)
-    p.add_argument("--classes", type=int, default=10)
-    p.add_argument("--seed", type=int, default=7)
-    p.add_argument("--out", type=Path, required=True)
+    add_run_args(p)
     p.add_argument("--ckpt-every", type=int, default=0, help="ModelCheckpoint every N steps + last.ckpt (0: off)")
     p.add_argument("--snapshot-dir", default=None, help="torchpass: background snapshots to this URL")
     p.add_argument("--save-every", type=int, default=0, help="trainer.save_checkpoint every N steps (0: off)")
     p.add_argument("--async-io", action="store_true", help="with --save-every: Lightning's AsyncCheckpointIO")
-    p.add_argument("--kill-rank", type=int, default=-1)
-    p.add_argument("--kill-step", type=int, default=-1)
     p.add_argument("--save-weights", action="store_true", help="write OUT/weights_rank{r}.pt at the end")
     args = p.parse_args(argv)
 
