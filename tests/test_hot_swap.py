@@ -43,6 +43,8 @@ def test_sigkill_of_a_nonzero_rank_from_outside(tmp_path, reference):
     ("fault", "what"),
     [
         ("kill@rank=0,step=6,phase=boundary", "the worker holding logical rank 0"),
+        ("kill@rank=1,step=7,phase=forward", "a kill in the forward pass"),
+        ("kill@rank=2,step=4,phase=backward", "a kill in the backward pass"),
         ("kill@rank=2,step=5,phase=reduce", "a kill during the gradient all-reduce"),
         ("kill@rank=1,step=9,phase=commit", "a kill between reduction and commit"),
         ("kill@rank=1,step=5,phase=optimizer", "a kill during optimizer.step (after the commit)"),

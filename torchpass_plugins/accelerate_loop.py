@@ -189,6 +189,7 @@ class TorchPass:
             # Fetch, then mark the boundary: a pass's first fetch draws its base seed from the global
             # generator, which the boundary then reseeds, so no step's random stream depends on where a
             # pass began (a spare starts its pass mid-way).
+            faults.point("data")
             try:
                 batch = next(batches)
             except StopIteration:
@@ -213,6 +214,7 @@ class TorchPass:
         rt, buckets = self.runtime, self._buckets
 
         def backward(loss: torch.Tensor, **kwargs: Any) -> None:
+            faults.point("backward")
             sync = accelerator.sync_gradients
             if sync:
                 buckets.overlap_with(rt.transport)

@@ -8,9 +8,10 @@ not fail again. Actions: ``kill`` (SIGKILL), ``stop`` (SIGSTOP: a hang), ``exit`
 at every step boundary: a straggler; the spare that replaces it is not slow), ``stall`` (the training
 thread stops for good while the process stays alive and keeps its heartbeat: the others wait in their
 next collective, which times out). Phases: ``boundary``
-(start of the step), ``reduce`` (gradient all-reduce issued, not yet complete), ``commit`` (reduced, not
-yet committed), ``optimizer`` (the optimizer has applied the committed update; Lightning's step
-bookkeeping has not run yet).
+(start of the step), ``data`` (before a micro-batch is fetched), ``forward`` (before the training step's
+forward; Lightning strategies), ``backward`` (before a micro-batch's backward), ``reduce`` (gradient
+all-reduce issued, not yet complete), ``commit`` (reduced, not yet committed), ``optimizer`` (the
+optimizer has applied the committed update; Lightning's step bookkeeping has not run yet).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ACTIONS = ("kill", "stop", "exit", "raise", "slow", "stall")
-PHASES = ("boundary", "reduce", "commit", "optimizer")
+PHASES = ("boundary", "data", "forward", "backward", "reduce", "commit", "optimizer")
 
 
 @dataclass(frozen=True)

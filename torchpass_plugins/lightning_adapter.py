@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from lightning.pytorch.utilities.data import _update_dataloader
 
+from torchpass_plugins import faults
 from torchpass_plugins.sampler import ResumeSampler
 
 if TYPE_CHECKING:
@@ -74,6 +75,7 @@ class LightningAdapter:
                 runtime.boundary(trainer.global_step)
                 if runtime.drain_due(trainer.global_step) is not None:
                     runtime.carry_out_drain(trainer.global_step)
+            faults.point("data")
             original(data_fetcher)
 
         loop.advance = advance

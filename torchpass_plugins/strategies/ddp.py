@@ -160,6 +160,16 @@ class TorchPassDDPStrategy(ParallelStrategy):
 
     # -- gradients ------------------------------------------------------------------------------------
     @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        faults.point("forward")
+        return super().training_step(*args, **kwargs)
+
+    @override
+    def backward(self, closure_loss: Tensor, optimizer: Optional[Optimizer], *args: Any, **kwargs: Any) -> Tensor:
+        faults.point("backward")
+        return super().backward(closure_loss, optimizer, *args, **kwargs)
+
+    @override
     def setup_optimizers(self, trainer) -> None:
         super().setup_optimizers(trainer)
         params = [p for opt in self.optimizers for group in opt.param_groups for p in group["params"]]
