@@ -1,5 +1,5 @@
 """What every training script of the benchmarks shares, without importing Lightning (TorchFT's replicas
-and the drivers need it too): the run's flags, the synthetic task and a once-per-run marker."""
+and the drivers need it too): the run's flags, the model, the synthetic task and a once-per-run marker."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import os
 from pathlib import Path
 
 import torch
+from torch import nn
 from torch.utils.data import TensorDataset
 
 
@@ -18,6 +19,17 @@ def add_run_args(p: argparse.ArgumentParser) -> None:
                           ("--kill-rank", -1), ("--kill-step", -1)):
         p.add_argument(flag, type=int, default=default)
     p.add_argument("--out", type=Path, required=True)
+
+
+def mlp(features: int, hidden: int, depth: int, classes: int) -> nn.Sequential:
+    """The benchmark model: ``depth`` hidden ReLU layers of width ``hidden``."""
+    layers: list[nn.Module] = []
+    width = features
+    for _ in range(depth):
+        layers += [nn.Linear(width, hidden), nn.ReLU()]
+        width = hidden
+    layers.append(nn.Linear(width, classes))
+    return nn.Sequential(*layers)
 
 
 def make_dataset(samples: int, features: int, classes: int, seed: int) -> TensorDataset:

@@ -17,6 +17,7 @@ import warnings
 from pathlib import Path
 
 import torch
+from _bench_data import mlp
 from accelerate import Accelerator, DataLoaderConfiguration
 from accelerate.utils import set_seed
 from torch import nn
@@ -37,10 +38,7 @@ def main() -> None:
     warnings.simplefilter("ignore", UnprotectedRunWarning)  # the baseline is unprotected on purpose
 
     set_seed(0)
-    layers: list[nn.Module] = [nn.Linear(args.features, args.hidden), nn.ReLU()]
-    for _ in range(args.depth - 1):
-        layers += [nn.Linear(args.hidden, args.hidden), nn.ReLU()]
-    model = nn.Sequential(*layers, nn.Linear(args.hidden, args.classes))
+    model = mlp(args.features, args.hidden, args.depth, args.classes)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     tp = TorchPass(seed=0)
     accelerator = Accelerator(gradient_accumulation_steps=args.accumulate, cpu=True,

@@ -24,7 +24,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-from _bench_data import add_run_args, claim, make_dataset
+from _bench_data import add_run_args, claim, make_dataset, mlp
 from torch import nn
 from torch.utils.data import DataLoader
 
@@ -32,13 +32,7 @@ from torch.utils.data import DataLoader
 def build_mlp(features: int, hidden: int, depth: int, classes: int, seed: int) -> nn.Sequential:
     """``bench_train.MLP.net``, built after the same seeding, so the initial weights are the same."""
     torch.manual_seed(seed)
-    layers: list[nn.Module] = []
-    width = features
-    for _ in range(depth):
-        layers += [nn.Linear(width, hidden), nn.ReLU()]
-        width = hidden
-    layers.append(nn.Linear(width, classes))
-    return nn.Sequential(*layers)
+    return mlp(features, hidden, depth, classes)
 
 
 def batches(loader: DataLoader, sampler, skip: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:

@@ -18,7 +18,7 @@ from typing import Any
 
 import lightning as L
 import torch
-from _bench_data import add_run_args, claim, make_dataset
+from _bench_data import add_run_args, claim, make_dataset, mlp
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.plugins.io import AsyncCheckpointIO
 from torch import nn
@@ -31,13 +31,7 @@ class MLP(L.LightningModule):
     def __init__(self, features: int, hidden: int, depth: int, classes: int, lr: float = 1e-3) -> None:
         super().__init__()
         self.save_hyperparameters()
-        layers: list[nn.Module] = []
-        width = features
-        for _ in range(depth):
-            layers += [nn.Linear(width, hidden), nn.ReLU()]
-            width = hidden
-        layers.append(nn.Linear(width, classes))
-        self.net = nn.Sequential(*layers)
+        self.net = mlp(features, hidden, depth, classes)
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, y = batch
