@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import json
 import os
+import signal
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
-from jobs import TRAIN, run
+from jobs import TRAIN, free_port, run
 
+from torchpass_plugins.membership import connect_store
 from torchpass_plugins.strategies import TorchPassDDPStrategy
 
 
@@ -52,3 +57,57 @@ def test_devices_not_matching_active_ranks_stop_the_job_before_training(tmp_path
     assert job.applied(0) == []
     assert len(job.events("worker_started")) == 3  # stopped, not handed to spares over and over
     assert job.leftovers() == []
+
+
+def _listening(port: int) -> list[str]:
+    """Local addresses (hex, as the kernel lists them) of the sockets listening on ``port``."""
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            local, state = line.split()[1], line.split()[3]
+            address, hex_port = local.rsplit(":", 1)
+            if state == "0A" and int(hex_port, 16) == port:
+                found.append(address)
+    return found
+
+
+def test_the_store_listens_on_the_endpoint_address_only():
+    server = connect_store("127.0.0.1:0", is_master=True, timeout=10)
+    assert _listening(server.port) == ["0100007F"]  # 127.0.0.1, not every interface (torch's default)
+    client = connect_store(f"127.0.0.1:{server.port}", timeout=10)
+    client.set("k", "v")
+    assert server.get("k") == b"v"
+
+
+def test_an_agent_that_cannot_reach_the_store_says_what_to_check():
+    port = free_port()  # nobody listens there
+    out = _cli("-m", "torchpass_plugins.cli", "launch", "--nnodes", "2", "--node-rank", "1", "--rdzv-endpoint",
+               f"127.0.0.1:{port}", "--rdzv-timeout", "2", str(TRAIN), env={"TORCHPASS_JOIN_TOKEN": "t"}, timeout=60)
+    assert out.returncode == 1
+    assert f"no store at 127.0.0.1:{port} within 2 s" in out.stderr and "start node 0's agent first" in out.stderr
+
+
+def test_a_node_with_the_wrong_join_token_is_refused_once_and_stops(tmp_path):
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHPASS_")}
+
+    def agent(node: int, token: str) -> subprocess.Popen:
+        cmd = [sys.executable, "-m", "torchpass_plugins.cli", "launch", "--nnodes", "2", "--node-rank", str(node),
+               "--rdzv-endpoint", f"127.0.0.1:{port}", "--run-dir", str(tmp_path), str(TRAIN), "--num-nodes", "2",
+               "--devices", "1"]  # fmt: skip
+        return subprocess.Popen(cmd, env={**env, "TORCHPASS_JOIN_TOKEN": token}, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+    node0 = agent(0, "right")
+    try:
+        time.sleep(0.5)
+        intruder = agent(1, "wrong")
+        out, _ = intruder.communicate(timeout=120)
+        assert intruder.returncode == 1
+        assert "refused this node's workers (wrong join token)" in out and "TORCHPASS_JOIN_TOKEN" in out
+        events = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
+        assert [e["event"] for e in events].count("join_rejected") == 1  # not refilled, not retried
+        assert node0.poll() is None  # the job still waits for its own second node
+    finally:
+        os.killpg(node0.pid, signal.SIGKILL)
+        node0.wait()

@@ -118,12 +118,51 @@ def test_when_every_rank_timed_out_no_one_is_blamed_and_the_job_restarts(store, 
     for w in ("n0-s0-i0", "n0-s1-i0"):
         s.queue_push(INBOX, json.dumps({"stalled": w, "gen": 0, "grace_s": 0.05, "why": "timed out"}))
     c.poll()
-    deadline = time.monotonic() + 10
-    while not s.check([RESTART_KEY]) and time.monotonic() < deadline:
-        time.sleep(0.05)
-        c.poll()  # the verdict arrives through the inbox once the grace has passed
+    _poll_until(c, s, RESTART_KEY)  # the verdict arrives through the inbox once the grace has passed
     assert "every rank's collective timed out in generation 0" in s.get(RESTART_KEY).decode()
     assert not s.check([evict_key("n0-s0-i0")]) and not s.check([evict_key("n0-s1-i0")])
+
+
+def _poll_until(c: Coordinator, store, key: str, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not store.check([key]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+        c.poll()
+
+
+def test_more_ranks_lost_than_spares_wait_for_refilled_workers_then_all_are_replaced(store, tmp_path):
+    master, s = store
+    c = Coordinator(s, "tok", processes=4, world_size=3, events=EventLog(tmp_path / "events.jsonl"),
+                    restarts_left=1, timer_store=prefixed(master.clone()), spare_wait_s=30)
+    for w in ("n0-s0-i0", "n0-s1-i0", "n0-s2-i0", "n0-s3-i0"):
+        _join(s, w)
+    c.poll()
+    _exit(s, "n0-s0-i0", -9)
+    _exit(s, "n0-s2-i0", -9)
+    c.poll()
+    assert not s.check([roster_key(1), RESTART_KEY])  # one spare for two ranks: no roster yet, no restart
+    [awaited] = [e for e in read_events(tmp_path) if e["event"] == "spare_awaited"]
+    assert awaited["ranks"] == [0, 2] and awaited["spares"] == 1
+    _exit(s, "n0-s0-i0", -9)  # reported twice (its agent, and a stall verdict): still one loss
+    _join(s, "n0-s0-i1")  # the refilled slot
+    c.poll()
+    assert Roster.from_json(s.get(roster_key(1))).ranks == ("n0-s3-i0", "n0-s1-i0", "n0-s0-i1")
+    assert not s.check([RESTART_KEY])
+
+
+def test_when_no_refilled_worker_joins_in_time_the_job_restarts(store, tmp_path):
+    master, s = store
+    c = Coordinator(s, "tok", processes=3, world_size=2, events=EventLog(None), restarts_left=1,
+                    timer_store=prefixed(master.clone()), spare_wait_s=0.2)
+    for w in ("n0-s0-i0", "n0-s1-i0", "n0-s2-i0"):
+        _join(s, w)
+    c.poll()
+    _exit(s, "n0-s0-i0", -9)
+    _exit(s, "n0-s1-i0", -9)
+    c.poll()
+    _poll_until(c, s, RESTART_KEY)
+    message = s.get(RESTART_KEY).decode()
+    assert "2 worker(s) lost" in message and "none joined within 0.2 s" in message
 
 
 def test_a_worker_lost_after_training_completed_is_not_replaced(store, tmp_path):

@@ -200,7 +200,8 @@ def test_a_job_that_lost_more_workers_than_spares_restarts_and_resumes_bit_exact
                                                                                           s3_env):
     url = f"s3://snapshots/{tmp_path.name}"
     train = ("--max-steps", str(STEPS), "--snapshot-dir", url, "--snapshot-every", "4", "--snapshot-when-busy", "wait")
-    job, codes = run(tmp_path, nproc=3, spares=0, train_args=train, faults="kill@rank=1,step=14,phase=reduce")
+    job, codes = run(tmp_path, nproc=3, spares=0, train_args=train, launch_args=("--spare-wait", "0"),
+                     faults="kill@rank=1,step=14,phase=reduce")
     assert codes == [0], job.output()[-3000:]
     [restart] = job.events("job_restarting")
     assert restart["attempt"] == 1 and "0 spare(s) left" in restart["message"]

@@ -29,7 +29,9 @@ class TorchPassCallback(Callback):
     ``snapshot_every_n_steps`` optimizer steps, the newest ``snapshot_keep`` are kept, and ``fit`` resumes
     from the newest committed one automatically (unless ``ckpt_path`` is given). When a snapshot is due
     while the previous one is still being written, ``snapshot_when_busy`` says whether to skip it or to
-    wait for the previous one.
+    wait for the previous one. ``snapshot_timeout`` bounds how long a snapshot may take to land (every
+    rank's file written and the manifest committed): at the end of training, one still in flight after it is
+    abandoned and logged, so storage that hangs cannot hang the job (the previous snapshot stands).
     """
 
     def __init__(
@@ -40,11 +42,12 @@ class TorchPassCallback(Callback):
         snapshot_keep: int = 3,
         snapshot_when_busy: WhenBusy = "skip",
         snapshot_storage_options: dict[str, Any] | None = None,
+        snapshot_timeout: float = 600.0,
     ) -> None:
-        if snapshot_every_n_steps < 0 or snapshot_keep < 1:
+        if snapshot_every_n_steps < 0 or snapshot_keep < 1 or snapshot_timeout <= 0:
             raise ConfigError(
-                f"torchpass: snapshot_every_n_steps={snapshot_every_n_steps} must be >= 0 and "
-                f"snapshot_keep={snapshot_keep} >= 1"
+                f"torchpass: snapshot_every_n_steps={snapshot_every_n_steps} must be >= 0, "
+                f"snapshot_keep={snapshot_keep} >= 1 and snapshot_timeout={snapshot_timeout} > 0"
             )
         if snapshot_every_n_steps and not snapshot_dir:
             raise ConfigError("torchpass: snapshot_every_n_steps needs snapshot_dir (a path or fsspec URL)")
@@ -56,6 +59,7 @@ class TorchPassCallback(Callback):
         self.snapshot_keep = snapshot_keep
         self.snapshot_when_busy = snapshot_when_busy
         self.snapshot_storage_options = snapshot_storage_options
+        self.snapshot_timeout = snapshot_timeout
         self.runtime = None
         self.writer: AsyncSnapshotWriter | None = None
         self._last_snapshot = 0  # step of the newest snapshot started or resumed from
@@ -83,7 +87,8 @@ class TorchPassCallback(Callback):
         if not trainer._checkpoint_connector._loaded_checkpoint and trainer.ckpt_path is None:
             self._resume(trainer, store, writers)
         plan = SnapshotPlan(store, strategy.global_rank, strategy.world_size, writers, seed=self.runtime.seed,
-                            keep=self.snapshot_keep, when_busy=self.snapshot_when_busy)
+                            keep=self.snapshot_keep, when_busy=self.snapshot_when_busy,
+                            commit_timeout=self.snapshot_timeout)
         self.writer = AsyncSnapshotWriter(plan, self.runtime.events)
         self.runtime.leave_hooks.append(lambda: self.writer.close(timeout=_LAND_ON_LEAVE_S))
         self.runtime.rollback_hooks.append(self.writer.fence)
@@ -140,5 +145,7 @@ class TorchPassCallback(Callback):
 
     @override
     def on_train_end(self, trainer, pl_module) -> None:
-        if self.writer is not None:
-            self.writer.close()
+        if self.writer is not None and not self.writer.close(timeout=self.snapshot_timeout):
+            self.runtime.events.emit("snapshot_failed", rank=trainer.global_rank, step=self._last_snapshot,
+                                     error=f"still in flight {self.snapshot_timeout:g} s after training ended: "
+                                     "abandoned (the previous snapshot stands)")

@@ -18,6 +18,9 @@ def add_job_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-restarts", type=int, default=3,
                    help="restarts of the whole job when a failure no spare can fix happens (it resumes from its "
                         "newest snapshot); 0: stop instead")
+    p.add_argument("--spare-wait", type=float, default=20.0,
+                   help="when more workers are lost than spares are free, seconds to wait for refilled workers "
+                        "to join the pool before restarting (0: restart at once)")
     p.add_argument("--health-source", default="nvml",
                    help="GPU health readings: nvml, file:PATH (JSON {device: {field: value}}, for drills), or off")
     p.add_argument("--health-interval", type=float, default=5.0, help="seconds between health readings")
@@ -43,6 +46,7 @@ def job_config(ns: argparse.Namespace) -> dict:
     return dict(
         command=[ns.script, *ns.args] if ns.script != "-m" else ["-m", *ns.args], spares=ns.spares,
         run_dir=ns.run_dir, heartbeat_timeout=ns.heartbeat_timeout, max_restarts=ns.max_restarts,
+        spare_wait=ns.spare_wait,
         health=HealthConfig(ns.health_source, ns.health_interval,
                             HealthPolicy(temperature_warn_c=ns.temperature_warn,
                                          temperature_migrate_c=ns.temperature_migrate)),
@@ -57,7 +61,9 @@ def _launch_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--nproc-per-node", type=int, default=1, help="worker processes on this node, spares included")
     p.add_argument("--nnodes", type=int, default=1)
     p.add_argument("--node-rank", type=int, default=0)
-    p.add_argument("--rdzv-endpoint", default="127.0.0.1:0", help="HOST:PORT of node 0's store (port 0: any free)")
+    p.add_argument("--rdzv-endpoint", default="127.0.0.1:0",
+                   help="HOST:PORT of node 0's store, which listens on HOST's interface only (port 0: any free)")
+    p.add_argument("--rdzv-timeout", type=float, default=300.0, help="seconds an agent tries to reach node 0's store")
     p.add_argument("--heartbeat-interval", type=float, default=0.5)
     p.add_argument("--no-refill", dest="refill", action="store_false", help="do not restart failed slots as spares")
     p.add_argument("--seed", type=int, default=None, help="job seed for per-step RNG (default: from PL_GLOBAL_SEED)")
@@ -71,6 +77,12 @@ def main(argv: list[str] | None = None) -> int:
     demo = sub.add_parser("demo", help="3 active + 1 spare train, one is SIGKILLed, and the result is compared")
     demo.add_argument("--steps", type=int, default=60)
     demo.add_argument("--run-dir", default="torchpass_runs/demo")
+    chaos = sub.add_parser("chaos", help="run seeded fault scenarios (the demo job) and classify each outcome")
+    chaos.add_argument("--seed", type=int, default=0)
+    chaos.add_argument("--scenarios", type=int, default=200, help="scenarios 0..N-1 of the seed")
+    chaos.add_argument("--only", type=int, nargs="+", default=None, help="replay these scenario indices")
+    chaos.add_argument("--work-dir", default="torchpass_runs/chaos", help="run directories (failures are kept)")
+    chaos.add_argument("--doc", default=None, help="write the result table into this Markdown file")
     rep = sub.add_parser("report", help="summary table and timeline PNG of a run, from RUN_DIR/events.jsonl")
     rep.add_argument("run_dir")
     ns = parser.parse_args(argv)
@@ -82,12 +94,17 @@ def main(argv: list[str] | None = None) -> int:
         except (FileNotFoundError, ValueError) as exc:
             parser.exit(1, f"torchpass report: {exc}\n")
         return 0
+    if ns.cmd == "chaos":
+        from torchpass_plugins.chaos.cli import run_chaos
+
+        return run_chaos(ns.seed, ns.only if ns.only is not None else range(ns.scenarios), ns.work_dir, ns.doc)
     if ns.cmd == "demo":
         from torchpass_plugins.demo.runner import run_demo
 
         return run_demo(steps=ns.steps, run_dir=ns.run_dir)
     config = LaunchConfig(
         nproc_per_node=ns.nproc_per_node, nnodes=ns.nnodes, node_rank=ns.node_rank, rdzv_endpoint=ns.rdzv_endpoint,
+        rdzv_timeout=ns.rdzv_timeout,
         heartbeat_interval=ns.heartbeat_interval, refill=ns.refill, seed=ns.seed,
         token=os.environ.get("TORCHPASS_JOIN_TOKEN", ""), **job_config(ns),
     )

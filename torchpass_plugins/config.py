@@ -32,6 +32,7 @@ class SnapshotConfig:
     every_n_steps: int = 0  # 0: never
     keep: int = 3  # newest committed snapshots kept
     when_busy: str = "skip"  # the previous one is still being written: skip | wait
+    timeout_s: float = 600.0  # the longest one may take to land; past it, at the end of training, it is abandoned
 
 
 @dataclass
@@ -132,7 +133,7 @@ class TorchPassConfig:
             strategy = TorchPassDDPStrategy(timeout=self.timeouts.collective_s)
         s = self.snapshots
         callback = TorchPassCallback(snapshot_dir=s.dir, snapshot_every_n_steps=s.every_n_steps, snapshot_keep=s.keep,
-                                     snapshot_when_busy=s.when_busy)
+                                     snapshot_when_busy=s.when_busy, snapshot_timeout=s.timeout_s)
         return {"strategy": strategy, "callbacks": [callback]}
 
 

@@ -1,17 +1,27 @@
-"""Fault injection for tests and drills, driven by ``TORCHPASS_FAULTS``.
+"""Fault injection for tests, drills and the chaos matrix, driven by ``TORCHPASS_FAULTS``.
 
 ``TORCHPASS_FAULTS="kill@rank=1,step=5,phase=reduce;stop@rank=2,step=9"`` makes the worker holding
 logical rank 1 SIGKILL itself at step 5 while the gradient all-reduce is in flight, and so on. Each
 fault fires once per run (a marker file in the run directory), so the spare that replays the step does
-not fail again. Actions: ``kill`` (SIGKILL), ``stop`` (SIGSTOP: a hang), ``exit`` (``os._exit(3)``),
-``raise`` (an exception in the training process), ``slow`` (from then on, this process sleeps ``seconds``
-at every step boundary: a straggler; the spare that replaces it is not slow), ``stall`` (the training
-thread stops for good while the process stays alive and keeps its heartbeat: the others wait in their
-next collective, which times out). Phases: ``boundary``
-(start of the step), ``data`` (before a micro-batch is fetched), ``forward`` (before the training step's
-forward; Lightning strategies), ``backward`` (before a micro-batch's backward), ``reduce`` (gradient
-all-reduce issued, not yet complete), ``commit`` (reduced, not yet committed), ``optimizer`` (the
-optimizer has applied the committed update; Lightning's step bookkeeping has not run yet).
+not fail again. Leaving out ``rank`` or ``step`` matches any.
+
+Actions: ``kill`` (SIGKILL), ``exit`` (``os._exit(3)``), ``raise`` (an exception in the thread that reaches
+the point), ``stop`` (SIGSTOP: a hang), ``spin`` (a busy loop that never releases the GIL: every thread of
+the process stops, heartbeats included), ``stall`` (the thread stops for good while the process stays
+alive and keeps its heartbeat: the others wait in their next collective, which times out), ``slow`` (from
+then on, this process sleeps ``seconds`` at every step boundary: a straggler; the spare that replaces it is
+not slow), ``kill-agent`` (SIGKILL this worker's agent; on node 0 the agent hosts the store and the
+coordinator).
+
+Phases of a training step: ``boundary`` (start of the step), ``data`` (before a micro-batch is fetched),
+``forward`` (before the training step's forward; Lightning strategies), ``backward`` (before a micro-batch's
+backward), ``reduce`` (gradient all-reduce issued, not yet complete), ``commit`` (reduced, not yet
+committed), ``optimizer`` (the optimizer has applied the committed update; Lightning's step bookkeeping has
+not run yet). Background work: ``replicate`` (``torchpass_fsdp``'s ring replication thread, its shard packed,
+before the exchange), ``snapshot`` (the snapshot thread, before this rank's file is written). A recovery:
+``survivor`` (a survivor joined the new group, before the agreement), ``donor`` (before sending state to a
+spare), ``promoted`` (a promoted spare, before receiving its state); for these, ``step`` is the boundary the
+rank last passed (-1 for a spare), so they are usually given without one.
 """
 
 from __future__ import annotations
@@ -22,41 +32,56 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-ACTIONS = ("kill", "stop", "exit", "raise", "slow", "stall")
-PHASES = ("boundary", "data", "forward", "backward", "reduce", "commit", "optimizer")
+ACTIONS = ("kill", "exit", "raise", "stop", "spin", "stall", "slow", "kill-agent")
+STEP_PHASES = ("boundary", "data", "forward", "backward", "reduce", "commit", "optimizer")
+BACKGROUND_PHASES = ("replicate", "snapshot")
+RECOVERY_PHASES = ("survivor", "donor", "promoted")
+PHASES = STEP_PHASES + BACKGROUND_PHASES + RECOVERY_PHASES
 
 
 @dataclass(frozen=True)
 class Fault:
     action: str
-    rank: int
-    step: int
+    rank: int | None = None  # None: any rank
+    step: int | None = None  # None: any step
     phase: str = "boundary"
     seconds: float = 0.0  # ``slow``: the sleep per step
 
     @classmethod
     def parse(cls, text: str) -> Fault:
         action, _, rest = text.strip().partition("@")
-        fields = dict(part.split("=", 1) for part in rest.split(",") if part)
-        fault = cls(action, int(fields["rank"]), int(fields["step"]), fields.get("phase", "boundary"),
-                    float(fields.get("seconds", 0)))
+        try:
+            fields = dict(part.split("=", 1) for part in rest.split(",") if part)
+            rank, step = (int(fields[k]) if k in fields else None for k in ("rank", "step"))
+            fault = cls(action, rank, step, fields.get("phase", "boundary"), float(fields.get("seconds", 0)))
+        except ValueError as exc:
+            raise ValueError(f"bad fault {text!r}: {exc}; write ACTION@rank=R,step=S,phase=P") from None
         if fault.action not in ACTIONS or fault.phase not in PHASES:
             raise ValueError(f"bad fault {text!r}: actions {ACTIONS}, phases {PHASES}")
         return fault
 
+    def __str__(self) -> str:
+        fields = [f"{k}={v}" for k, v in (("rank", self.rank), ("step", self.step)) if v is not None]
+        fields.append(f"phase={self.phase}")
+        if self.seconds:
+            fields.append(f"seconds={self.seconds:g}")
+        return f"{self.action}@{','.join(fields)}"
 
-def _load() -> list[Fault]:
-    spec = os.environ.get("TORCHPASS_FAULTS", "")
+    def matches(self, rank: int, step: int, phase: str) -> bool:
+        return phase == self.phase and self.rank in (None, rank) and self.step in (None, step)
+
+
+def parse_all(spec: str) -> list[Fault]:
     return [Fault.parse(item) for item in spec.split(";") if item.strip()]
 
 
-_FAULTS = _load()
+_FAULTS = parse_all(os.environ.get("TORCHPASS_FAULTS", ""))
 _where = (-1, -1)
 _slow = 0.0  # seconds this process sleeps per step boundary, once a ``slow`` fault fired in it
 
 
 def at(rank: int, step: int) -> None:
-    """Record where this process is (called at each step boundary)."""
+    """Record where this process is (called at each step boundary, and when a spare gets its rank)."""
     global _where
     _where = (rank, step)
 
@@ -66,7 +91,7 @@ def point(phase: str) -> None:
     if not _FAULTS:
         return
     for index, fault in enumerate(_FAULTS):
-        if (fault.rank, fault.step, fault.phase) == (*_where, phase) and _claim(index):
+        if fault.matches(*_where, phase) and _claim(index):
             _fire(fault)
     if _slow and phase == "boundary":
         time.sleep(_slow)
@@ -93,6 +118,11 @@ def _fire(fault: Fault) -> None:
         os.kill(os.getpid(), signal.SIGSTOP)
     elif fault.action == "exit":
         os._exit(3)
+    elif fault.action == "kill-agent":
+        os.kill(int(os.environ["TORCHPASS_AGENT_PID"]), signal.SIGKILL)
+        return
+    elif fault.action == "spin":
+        sum(range(1 << 62))  # one C call: the GIL is never released
     elif fault.action == "stall":
         while True:
             time.sleep(60)

@@ -11,6 +11,7 @@ import ctypes
 import json
 import os
 import signal
+import socket
 import sys
 import threading
 from dataclasses import dataclass, field
@@ -36,6 +37,13 @@ class Unrecoverable(JobAborted):
 
 
 UNRECOVERABLE_EXIT = 79  # the message is in ``abort_request_key(worker)``
+
+
+class JoinRejected(PermissionError):
+    """The coordinator refused this worker (a wrong join token): its agent stops instead of refilling."""
+
+
+REJECTED_EXIT = 77  # EX_NOPERM
 
 
 def roster_key(gen: int) -> str:
@@ -117,11 +125,23 @@ class Roster:
 
 
 def connect_store(endpoint: str, is_master: bool = False, timeout: float = 600.0) -> dist.TCPStore:
-    """Open a client (or the server, for the agent of node 0) of the job's store, under the job prefix."""
+    """Open a client (or the server, for the agent of node 0) of the job's store.
+
+    The server listens on the endpoint's address only (torch's own would listen on every interface):
+    ``127.0.0.1:0`` is reachable from this machine alone.
+    """
     host, port = endpoint.rsplit(":", 1)
-    return dist.TCPStore(
-        host, int(port), is_master=is_master, timeout=timedelta(seconds=timeout), wait_for_workers=False
-    )
+    fd = None
+    if is_master:
+        family, kind, proto, _, address = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)[0]
+        listener = socket.socket(family, kind, proto)
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(address)
+        listener.listen(128)
+        port = listener.getsockname()[1]
+        fd = listener.detach()  # the store's server owns it from now on
+    return dist.TCPStore(host, int(port), is_master=is_master, timeout=timedelta(seconds=timeout),
+                         wait_for_workers=False, master_listen_fd=fd)
 
 
 def prefixed(store: dist.Store, attempt: int = 0) -> dist.Store:

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from torchpass_plugins import faults
 from torchpass_plugins.state_transfer import pack
 from torchpass_plugins.transport import PeerFailure, Transport
 
@@ -47,6 +48,7 @@ class RingReplicator:
     replicas: dict[int, Packed] = field(default_factory=dict)  # of the ring predecessor, by step
     _thread: threading.Thread | None = None
     _error: str | None = None
+    _crash: Exception | None = None
 
     def due(self, step: int) -> bool:
         return self.every > 0 and step % self.every == 0
@@ -71,15 +73,21 @@ class RingReplicator:
         self._thread.start()
 
     def _round(self, step: int, shard_state: Any, host: Any) -> None:
-        mine = Packed(*pack(shard_state, into=_retire_oldest(self.own)), host)
-        self.own[step] = mine
-        self._exchange(step, mine)
+        try:
+            mine = Packed(*pack(shard_state, into=_retire_oldest(self.own)), host)
+            self.own[step] = mine
+            faults.point("replicate")
+            self._exchange(step, mine)
+        except Exception as exc:  # not a peer's failure: this worker fails at the fence, like the training thread
+            self._crash = exc
 
     def fence(self) -> None:
         """Wait for the round in flight; raises ``PeerFailure`` if it failed."""
         if self._thread is not None:
             self._thread.join()
             self._thread = None
+        if self._crash is not None:
+            raise RuntimeError("torchpass: the shard replication thread failed") from self._crash
         if self._error is not None:
             error, self._error = self._error, None
             raise PeerFailure(f"shard replication: {error}")

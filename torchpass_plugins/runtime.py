@@ -32,6 +32,7 @@ from torchpass_plugins.membership import (
     INBOX,
     TRAINED_KEY,
     JobAborted,
+    JoinRejected,
     Member,
     Unrecoverable,
     WorkerEnv,
@@ -185,10 +186,11 @@ class Runtime:
             self.member.close()
             raise SpareReleased(0)
         if "reject" in assignment:
-            raise PermissionError(f"torchpass: the coordinator refused this worker: {assignment['reject']}")
+            raise JoinRejected(f"torchpass: the coordinator refused this worker: {assignment['reject']}")
         gen, rank = assignment["gen"], assignment["rank"]
         self.member.watch_from(gen)
         self.transport.rank = rank
+        faults.at(rank, -1)
         self.is_spare = gen > 0
         if not self.is_spare:
             try:
@@ -276,6 +278,7 @@ class Runtime:
 
     def _send_to(self, transport: Transport, spares: list[int], state: Any) -> None:
         for dst in spares:
+            faults.point("donor")
             t0 = time.perf_counter()
             nbytes = send_state(transport, state, dst)
             self.events.emit("state_sent", rank=self.rank, to=dst, bytes=nbytes, seconds=time.perf_counter() - t0)
@@ -286,12 +289,14 @@ class Runtime:
         completed (``reduced``) gradient reduction is committed."""
         t0 = time.perf_counter()
         while True:
-            self._report_stall(cause)
+            self.report_stall(cause)
             gen = self.next_roster()
             try:
                 t_connect = time.perf_counter()
                 self.transport.connect(gen, self.rank)
                 connect_s = time.perf_counter() - t_connect
+                if not self.is_spare:
+                    faults.point("survivor")
                 agreement = self._agree(pos, reduced)
                 self.events.emit(
                     "transport_rebuilt",
@@ -321,7 +326,7 @@ class Runtime:
             )
             return self.rank in agreement.committed
 
-    def _report_stall(self, cause: str) -> None:
+    def report_stall(self, cause: str) -> None:
         """Tell the coordinator, once per generation, that this rank's group failed with no newer roster in
         sight: if a peer is alive but stalled outside the collective, only these reports reveal it."""
         gen = self.transport.gen
@@ -354,6 +359,7 @@ class Runtime:
         if not a.spares:
             return
         if self.is_spare:
+            faults.point("promoted")
             t0 = time.perf_counter()
             state, nbytes = recv_state(self.transport, a.donor)
             self.events.emit(

@@ -19,6 +19,7 @@ from typing import Any, Literal
 
 import torch
 
+from torchpass_plugins import faults
 from torchpass_plugins.events import EventLog
 from torchpass_plugins.snapshot_store import SnapshotStore
 from torchpass_plugins.tree import map_leaves
@@ -119,6 +120,7 @@ class AsyncSnapshotWriter:
             staging = self._staging + [None] * (len(deferred) - len(self._staging))
             copies = self._staging = [_host_copy(t, into) for t, into in zip(deferred, staging, strict=False)]
             self._staged.set()
+            faults.point("snapshot")
             if plan.writes:
                 state = map_leaves(staged, lambda leaf: copies[leaf.index] if isinstance(leaf, _Deferred) else leaf)
                 entry = plan.store.write_rank(step, plan.rank, state)
@@ -136,8 +138,9 @@ class AsyncSnapshotWriter:
         finally:
             self._staged.set()
 
-    def close(self, timeout: float | None = None) -> None:
+    def close(self, timeout: float | None = None) -> bool:
         """Wait (at most ``timeout`` s) for the snapshot in flight to land: at the end of training, or when
-        leaving an aborted job."""
+        leaving an aborted job. Returns whether nothing is in flight any more."""
         if self._thread is not None:
             self._thread.join(timeout)
+        return self._thread is None or not self._thread.is_alive()

@@ -13,8 +13,10 @@ from datetime import timedelta
 from torchpass_plugins.errors import ConfigError
 from torchpass_plugins.membership import (
     CONFIG_ERROR_EXIT,
+    REJECTED_EXIT,
     UNRECOVERABLE_EXIT,
     JobAborted,
+    JoinRejected,
     Unrecoverable,
     WorkerEnv,
     abort_request_key,
@@ -66,6 +68,9 @@ def _exit_job_on_config_error() -> None:
             os._exit(UNRECOVERABLE_EXIT)
         if issubclass(exc_type, JobAborted):
             os._exit(1)
+        if issubclass(exc_type, JoinRejected):
+            print(exc, file=sys.stderr, flush=True)
+            os._exit(REJECTED_EXIT)
         previous(exc_type, exc, tb)
         if issubclass(exc_type, ConfigError):
             sys.stderr.flush()

@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--sleep-per-step", type=float, default=0.0)
     p.add_argument("--val-every", type=int, default=0, help="validate every N training batches (0: never)")
     p.add_argument("--bucket-cap-mb", type=float, default=None, help="gradient bucket size (several buckets)")
-    p.add_argument("--collective-timeout", type=float, default=None, help="torchpass_ddp: seconds per collective")
+    p.add_argument("--collective-timeout", type=float, default=None, help="seconds per collective (default 300)")
     p.add_argument("--strategy", choices=["torchpass_ddp", "torchpass_fsdp"], default="torchpass_ddp")
     p.add_argument("--replicate-every", type=int, default=1, help="torchpass_fsdp: ring replica refresh interval")
     p.add_argument("--freeze-first", action="store_true", help="freeze the first layer (a frozen backbone)")
@@ -90,6 +90,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--snapshot-dir", default=None, help="background snapshots to this path or fsspec URL")
     p.add_argument("--snapshot-every", type=int, default=0, help="snapshot every N optimizer steps")
     p.add_argument("--snapshot-when-busy", choices=["skip", "wait"], default="skip")
+    p.add_argument("--snapshot-timeout", type=float, default=600.0, help="the longest a snapshot may take to land")
     args = p.parse_args(argv)
 
     L.seed_everything(7)
@@ -105,7 +106,8 @@ def main(argv: list[str] | None = None) -> None:
     strategy = args.strategy
     if args.strategy == "torchpass_fsdp":
         strategy = TorchPassFSDPStrategy(auto_wrap_policy={nn.Linear}, replicate_every_n_steps=args.replicate_every,
-                                         state_filter=trainable_only if args.model_aware else None)
+                                         state_filter=trainable_only if args.model_aware else None,
+                                         timeout=args.collective_timeout or 300)
     elif args.bucket_cap_mb or args.collective_timeout:
         strategy = TorchPassDDPStrategy(bucket_cap_mb=args.bucket_cap_mb or 4.0, timeout=args.collective_timeout or 300)
     trainer = L.Trainer(
@@ -116,7 +118,8 @@ def main(argv: list[str] | None = None) -> None:
         max_steps=args.max_steps,
         accumulate_grad_batches=args.accumulate,
         callbacks=[TorchPassCallback(snapshot_dir=args.snapshot_dir, snapshot_every_n_steps=args.snapshot_every,
-                                     snapshot_when_busy=args.snapshot_when_busy)],
+                                     snapshot_when_busy=args.snapshot_when_busy,
+                                     snapshot_timeout=args.snapshot_timeout)],
         enable_checkpointing=False,
         logger=False,
         enable_progress_bar=args.progress,

@@ -32,6 +32,7 @@ from torchpass_plugins.membership import (
     DONE_KEY,
     INBOX,
     LEAVING,
+    REJECTED_EXIT,
     RESTART_KEY,
     UNRECOVERABLE_EXIT,
     WorkerEnv,
@@ -57,6 +58,7 @@ class LaunchConfig:
     nnodes: int = 1
     node_rank: int = 0
     rdzv_endpoint: str = "127.0.0.1:0"
+    rdzv_timeout: float = 300.0  # how long an agent tries to reach node 0's store
     spares: int = 0
     run_dir: str = "torchpass_runs/latest"
     heartbeat_timeout: float = 30.0
@@ -65,6 +67,7 @@ class LaunchConfig:
     token: str = ""
     seed: int | None = None
     max_restarts: int = 3
+    spare_wait: float = 20.0  # seconds to wait for a refilled spare when more ranks are lost than spares free
     health: HealthConfig = field(default_factory=HealthConfig)
     straggler_window: int = 50
     straggler_factor: float = 1.5
@@ -95,6 +98,8 @@ class LaunchConfig:
                 f"--spares {self.spares} leaves no active rank among {self.processes} processes "
                 f"({self.nnodes} node(s) x {self.nproc_per_node}); use fewer spares or more processes"
             )
+        if self.spare_wait < 0:
+            raise ValueError(f"--spare-wait must be >= 0, got {self.spare_wait}")
         if self.max_restarts < 0:
             raise ValueError(f"--max-restarts must be >= 0, got {self.max_restarts}")
         if self.heartbeat_timeout <= self.heartbeat_interval:
@@ -147,7 +152,15 @@ class Agent:
 
     def run(self) -> int:
         cfg = self.config
-        self._client = connect_store(cfg.rdzv_endpoint, is_master=cfg.node_rank == 0 and not cfg.external_store)
+        try:
+            self._client = connect_store(cfg.rdzv_endpoint, is_master=cfg.node_rank == 0 and not cfg.external_store,
+                                         timeout=cfg.rdzv_timeout)
+        except (dist.DistError, OSError) as exc:
+            what = str(exc).splitlines()[0]
+            print(f"torchpass: no store at {cfg.rdzv_endpoint} within {cfg.rdzv_timeout:g} s ({what}): start node "
+                  "0's agent first, and check --rdzv-endpoint and that this node can reach it (node 0: that HOST "
+                  "is one of its addresses and PORT is free)", file=sys.stderr)
+            return 1
         self.endpoint = f"{cfg.rdzv_endpoint.rsplit(':', 1)[0]}:{self._client.port}"
         self._begin_attempt()
         self._install_signals()
@@ -188,7 +201,8 @@ class Agent:
         if cfg.node_rank == 0:
             self.coordinator = Coordinator(prefixed(self._client.clone(), self.attempt), self.token, cfg.processes,
                                            cfg.world_size, self.events, restarts_left=cfg.max_restarts - self.attempt,
-                                           timer_store=prefixed(self._client.clone(), self.attempt))
+                                           timer_store=prefixed(self._client.clone(), self.attempt),
+                                           spare_wait_s=cfg.spare_wait if cfg.refill else 0.0)
             self._coordinator_thread = threading.Thread(target=self.coordinator.run, daemon=True)
             self._coordinator_thread.start()
 
@@ -273,6 +287,11 @@ class Agent:
                     continue
                 self._report_exit(slot, code)
                 slot.proc = None
+                if code == REJECTED_EXIT:
+                    print(f"torchpass: the job's coordinator at {self.endpoint} refused this node's workers (wrong "
+                          "join token): set the same TORCHPASS_JOIN_TOKEN on every node of the job", file=sys.stderr,
+                          flush=True)
+                    return 1
                 next_check = 0.0  # look at the verdict soon after an exit
                 refill = cfg.refill and not done and slot.index not in self.unhealthy
                 if code not in (0, CONFIG_ERROR_EXIT, UNRECOVERABLE_EXIT) and refill:
@@ -410,5 +429,5 @@ def launch(config: LaunchConfig) -> int:
     try:
         return Agent(config).run()
     except dist.DistStoreError as exc:
-        print(f"torchpass: cannot reach the job's store at {config.rdzv_endpoint}: {exc}", file=sys.stderr)
+        print(f"torchpass: the job's store at {config.rdzv_endpoint} failed: {exc}", file=sys.stderr)
         return 1

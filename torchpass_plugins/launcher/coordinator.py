@@ -74,6 +74,10 @@ class Coordinator:
     # the workers whose collective timed out, per generation, until the verdict on who stalled them
     _stalled: dict[int, set[str]] = field(default_factory=dict)
     timer_store: dist.Store | None = None  # a connection of its own for delayed messages (default: ``store``)
+    # More ranks lost than spares free: wait this long for refilled workers to join the pool before
+    # restarting (0: restart at once; agents refill failed slots unless --no-refill)
+    spare_wait_s: float = 0.0
+    _short: list[int] = field(default_factory=list)  # lost ranks that wait for a spare
 
     def run(self) -> None:
         """Handle messages as they arrive, until a ``stop`` message (pushed by the hosting agent)."""
@@ -104,6 +108,8 @@ class Coordinator:
                 self._on_stalled(m["stalled"], m["gen"], m["grace_s"])
             elif "stall_verdict" in m:
                 self._on_stall_verdict(m["stall_verdict"], lost)
+            elif "spare_deadline" in m:
+                self._on_spare_deadline(m["spare_deadline"])
             elif "exit" in m:
                 self._on_exit(m["exit"], m["code"], m.get("why", ""), lost)
             elif "node_lost" in m:  # its agent is gone: each of its workers still at work counts as exited
@@ -111,8 +117,8 @@ class Coordinator:
                 on_node = [w for w in {*working, *self.spares} if slot_order(w)[0] == m["node_lost"]]
                 for worker_id in sorted(on_node, key=slot_order):
                     self._on_exit(worker_id, -9, m["why"], lost)
-        if lost and self.outcome is None:
-            self._replace(lost)
+        if (lost or self._short) and self.outcome is None:
+            self._replace(self._short + lost)
         return not any("stop" in m for m in messages)
 
     def _pop_all(self) -> list[bytes]:
@@ -184,6 +190,8 @@ class Coordinator:
         if worker_id not in self.ranks:
             return
         rank = self.ranks.index(worker_id)
+        if rank in self._short:
+            return  # known lost, its replacement awaited
         if code == CONFIG_ERROR_EXIT:
             self._abort(f"worker {worker_id} (logical rank {rank}) stopped on a configuration error; see its output")
             return
@@ -206,11 +214,29 @@ class Coordinator:
             return
         if gen not in self._stalled:
             self._stalled[gen] = set()
-            store = self.timer_store or self.store
-            timer = threading.Timer(grace_s, lambda: store.queue_push(INBOX, json.dumps({"stall_verdict": gen})))
-            timer.daemon = True
-            timer.start()
+            self._later(grace_s, {"stall_verdict": gen})
         self._stalled[gen].add(worker_id)
+
+    def _later(self, seconds: float, message: dict) -> None:
+        """Push ``message`` to the inbox after ``seconds`` (on a connection of its own)."""
+        store = self.timer_store or self.store
+        timer = threading.Timer(seconds, lambda: store.queue_push(INBOX, json.dumps(message)))
+        timer.daemon = True
+        timer.start()
+
+    def _on_spare_deadline(self, gen: int) -> None:
+        """No refilled spare joined in time for the ranks lost in generation ``gen``."""
+        if gen == self.gen and self._short and self.outcome is None:
+            self._too_few_spares(self._short)
+
+    def _too_few_spares(self, lost: list[int]) -> None:
+        waited = f" (none joined within {self.spare_wait_s:g} s)" if self.spare_wait_s > 0 else ""
+        self._abort(
+            f"{len(lost)} worker(s) lost (logical rank(s) {lost}) but {len(self.spares)} spare(s) left{waited}: "
+            "the job cannot continue without recomputation. Relaunch with more --spares, or resume "
+            "from the newest snapshot.",
+            restartable=True,
+        )
 
     def _on_stall_verdict(self, gen: int, lost: list[int]) -> None:
         timed_out = self._stalled.pop(gen, set())
@@ -235,13 +261,14 @@ class Coordinator:
                         "code after fit, or at exit); the job is not restarted")
             return
         if len(lost) > len(self.spares):
-            self._abort(
-                f"{len(lost)} worker(s) lost (logical rank(s) {lost}) but {len(self.spares)} spare(s) left: "
-                "the job cannot continue without recomputation. Relaunch with more --spares, or resume "
-                "from the newest snapshot.",
-                restartable=True,
-            )
+            if self.spare_wait_s <= 0:
+                self._too_few_spares(lost)
+            elif not self._short:
+                self.events.emit("spare_awaited", ranks=lost, spares=len(self.spares), wait_s=self.spare_wait_s)
+                self._later(self.spare_wait_s, {"spare_deadline": self.gen})
+            self._short = lost
             return
+        self._short = []
         assignments = {}
         for rank in lost:
             spare = self.spares.popleft()

@@ -250,6 +250,7 @@ class TorchPassFSDPStrategy(TorchPassDDPStrategy):
             try:
                 if loop.batch_progress.current.ready % trainer.accumulate_grad_batches == 0:
                     self._boundary(trainer.global_step)
+                faults.point("data")
                 advance(data_fetcher)
             except StepFailed as exc:
                 self._recover(str(exc))
@@ -431,6 +432,7 @@ class TorchPassFSDPStrategy(TorchPassDDPStrategy):
         rt = self.runtime
         t0 = time.perf_counter()
         while True:
+            rt.report_stall(cause)
             gen = rt.next_roster()
             try:
                 self.replicator.fence()  # the round in flight ends at once: its group is stale
@@ -439,6 +441,8 @@ class TorchPassFSDPStrategy(TorchPassDDPStrategy):
             try:
                 rt.transport.connect(gen, rt.rank)
                 self.replicator.side.connect(gen, rt.rank)
+                if not rt.is_spare:
+                    faults.point("survivor")
                 rows = [ShardRow.from_tensor(t) for t in rt.transport.all_gather(self._row().to_tensor())]
                 agreement = ShardAgreement.decide(rows)
                 self._exchange(agreement)
@@ -466,17 +470,20 @@ class TorchPassFSDPStrategy(TorchPassDDPStrategy):
         for lost, source in sorted(a.sources.items()):
             if rt.rank == source:
                 packed = self.replicator.replicas[step]
+                faults.point("donor")
                 t0 = time.perf_counter()
                 nbytes = send_packed(rt.transport, packed.meta, packed.payload, lost)
                 rt.events.emit("state_sent", rank=rt.rank, to=lost, kind="shard", bytes=nbytes,
                                seconds=time.perf_counter() - t0)
             elif rt.rank == lost:
+                faults.point("promoted")
                 t0 = time.perf_counter()
                 self._incoming, nbytes = recv_state(rt.transport, source)
                 rt.events.emit("state_received", rank=rt.rank, src=source, kind="shard", bytes=nbytes,
                                seconds=time.perf_counter() - t0)
         for lost in sorted(a.sources):
             if rt.rank == a.donor:
+                faults.point("donor")
                 nbytes = send_state(rt.transport, self._host_checkpoint(step), lost)
                 rt.events.emit("state_sent", rank=rt.rank, to=lost, kind="host", bytes=nbytes)
             elif rt.rank == lost:

@@ -1,0 +1,64 @@
+"""The chaos matrix: its scenarios, its verdicts, and a fixed-seed slice of it (the full matrix of 200+
+scenarios is ``torchpass chaos``; its last result is in docs/reliability.md)."""
+
+from __future__ import annotations
+
+import pytest
+
+from torchpass_plugins import faults
+from torchpass_plugins.chaos import matrix
+from torchpass_plugins.chaos.scenario import STEPS, draw
+from torchpass_plugins.faults import ACTIONS, PHASES, Fault
+
+
+def test_a_fault_prints_as_it_parses_and_a_bad_one_says_how_to_write_it():
+    for text in ("kill@rank=1,step=5,phase=reduce", "spin@phase=donor", "slow@rank=2,step=3,phase=data,seconds=0.3"):
+        assert str(Fault.parse(text)) == text
+    assert Fault.parse("stall@phase=promoted").matches(rank=2, step=-1, phase="promoted")
+    assert not Fault.parse("kill@rank=1,phase=data").matches(rank=0, step=4, phase="data")
+    with pytest.raises(ValueError, match="phases"):
+        Fault.parse("kill@rank=1,phase=lunch")
+    with pytest.raises(ValueError, match="ACTION@rank=R"):
+        Fault.parse("kill@rank=one")
+
+
+def test_scenarios_replay_from_their_seed_and_the_matrix_covers_every_phase_and_action():
+    scenarios = [draw(0, i) for i in range(200)]
+    assert scenarios == [draw(0, i) for i in range(200)]
+    assert draw(1, 0) != draw(0, 0) or draw(1, 1) != draw(0, 1)
+    assert {s.target.phase for s in scenarios} == set(PHASES)
+    assert {s.target.action for s in scenarios} == set(ACTIONS)
+    assert {s.strategy for s in scenarios} == {"torchpass_ddp", "torchpass_fsdp"}
+    for s in scenarios:
+        assert [faults.Fault.parse(item) for item in s.spec.split(";")] == list(s.faults)
+
+
+def test_the_verdict_catches_a_divergence_and_a_step_applied_twice(tmp_path):
+    # One real job with a kill; judged against the true reference, a perturbed one, and a doctored log.
+    sc = draw(0, 16)
+    assert sc.spec == "kill@rank=2,step=8,phase=data" and sc.strategy == "torchpass_ddp"
+    expected = matrix.reference(tmp_path, sc.reference)
+    job, codes, left = matrix._run_job(tmp_path / "run", sc.strategy, sc.replicate_every, sc.spec)
+    assert matrix.judge(sc, job, codes, left, expected)[0] == "bit-exact"
+    perturbed = {k: v.clone() for k, v in expected.items()}
+    name = next(iter(perturbed))
+    perturbed[name].view(-1)[0] += 1e-7
+    assert matrix.judge(sc, job, codes, left, perturbed) == (
+        "failure", "divergence: final weights differ from the failure-free run")
+    with open(job.out / "applied_rank1.txt", "a") as f:
+        f.write(f"{STEPS - 1} 0.0\n")
+    outcome, detail = matrix.judge(sc, job, codes, left, expected)
+    assert outcome == "failure" and "applied twice without a log" in detail
+    assert matrix.judge(sc, job, None, [], expected)[0] == "failure"  # hung
+    assert matrix.judge(sc, job, codes, [12345], expected)[0] == "failure"  # a process left behind
+
+
+# The CI slice: a fault striking a recovery's donor, a GIL-holding hang, the replication thread
+# raising (torchpass_fsdp), and the coordinator's agent killed (the job stops; resubmitted, it resumes).
+SLICE = {22: "bit-exact", 34: "bit-exact", 31: "bit-exact", 40: "fallback"}
+
+
+@pytest.mark.parametrize("index", sorted(SLICE))
+def test_fixed_seed_slice_of_the_chaos_matrix(tmp_path, index):
+    [result] = matrix.run_matrix(0, [index], tmp_path)
+    assert (result.outcome, result.index) == (SLICE[index], index), result.detail

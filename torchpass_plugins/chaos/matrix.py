@@ -1,0 +1,253 @@
+"""The chaos matrix: run scenarios under a hard time bound and classify each outcome.
+
+Outcomes:
+
+- ``bit-exact``: the job finished, its final weights equal the failure-free run's bit for bit, and every
+  logical rank applied every optimizer step exactly once.
+- ``fallback``: a documented fallback. The job restarted itself from its newest snapshot (the steps lost
+  logged as ``steps_lost`` or ``steps_rolled_back``), or it stopped with a logged reason and the same job,
+  submitted again, resumed from its newest snapshot. Either way the final weights equal the failure-free
+  run's and no step is missing.
+- ``failure``: anything else: a divergence, a hang (the bound passed), a process left behind, a step
+  applied twice without a log of it, a stop the resubmitted job could not resume from, or a fault that
+  never struck (the scenario tested nothing).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import time
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from torchpass_plugins.chaos import jobs
+from torchpass_plugins.chaos.scenario import SNAPSHOT_EVERY, STEPS, WORLD, Scenario, draw
+from torchpass_plugins.faults import PHASES
+
+BOUND_S = 150.0  # per job: far above a scenario's worst legitimate time (a hang timeout plus a restart)
+HEARTBEAT_TIMEOUT_S = 4.0
+COLLECTIVE_TIMEOUT_S = 6.0
+SNAPSHOT_TIMEOUT_S = 10.0
+LAUNCH = ("--heartbeat-timeout", str(HEARTBEAT_TIMEOUT_S), "--max-restarts", "2", "--health-source", "off")
+
+
+@dataclass
+class Result:
+    index: int
+    scenario: str
+    kind: str
+    phase: str
+    action: str
+    outcome: str  # bit-exact, fallback, failure
+    detail: str
+    seconds: float
+
+
+def train_args(strategy: str, replicate_every: int, run_dir: Path) -> tuple[str, ...]:
+    return (
+        "--strategy", strategy, "--replicate-every", str(replicate_every), "--max-steps", str(STEPS),
+        "--collective-timeout", str(COLLECTIVE_TIMEOUT_S), "--snapshot-dir", str(run_dir / "snapshots"),
+        "--snapshot-every", str(SNAPSHOT_EVERY), "--snapshot-timeout", str(SNAPSHOT_TIMEOUT_S),
+    )  # fmt: skip
+
+
+def session_leftovers(job: jobs.Job) -> list[int]:
+    """Live processes of the job's sessions (each agent starts one): workers, fork servers, anything."""
+    sessions = {agent.pid for agent in job.agents}
+    left = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (FileNotFoundError, ProcessLookupError, IndexError):
+            continue
+        if fields[0] != "Z" and int(fields[3]) in sessions:
+            left.append(int(stat.parent.name))
+    return left
+
+
+def _kill_sessions(job: jobs.Job) -> None:
+    job.kill()
+    for pid in session_leftovers(job):
+        try:
+            os.kill(pid, 9)
+        except ProcessLookupError:
+            pass
+
+
+def _run_job(
+    run_dir: Path,
+    strategy: str,
+    replicate_every: int,
+    faults: str,
+    snapshots: Path | None = None,
+    nproc: int = WORLD + 1,
+    spares: int = 1,
+) -> tuple[jobs.Job, list[int] | None, list[int]]:
+    """One bounded job; returns it, its agents' exit codes (None: it hung) and what it left running."""
+    args = list(train_args(strategy, replicate_every, run_dir))
+    if snapshots is not None:
+        args[args.index("--snapshot-dir") + 1] = str(snapshots)
+    job = jobs.start(run_dir, nproc=nproc, spares=spares, train_args=tuple(args), launch_args=LAUNCH, faults=faults)
+    try:
+        codes = [agent.wait(timeout=max(1.0, job.started + BOUND_S - time.monotonic())) for agent in job.agents]
+    except subprocess.TimeoutExpired:
+        codes = None
+    left = session_leftovers(job) if codes is not None else []
+    if left:
+        time.sleep(1.0)  # a worker on its way out may still be exiting
+        left = session_leftovers(job)
+    _kill_sessions(job)
+    return job, codes, left
+
+
+def reference(work: Path, name: str) -> dict[str, torch.Tensor]:
+    """The failure-free run's final weights (run once per strategy and replication interval)."""
+    path = work / "reference" / name / "out" / "final.pt"
+    if not path.exists():
+        strategy, _, every = name.rpartition("-r")
+        shutil.rmtree(path.parents[1], ignore_errors=True)
+        job, codes, left = _run_job(path.parents[1], strategy, int(every), "", nproc=WORLD, spares=0)
+        if codes != [0] or left:
+            raise RuntimeError(f"the failure-free run {name} failed ({codes}, left {left}):\n{job.output()[-3000:]}")
+    return torch.load(path, weights_only=True)["weights"]
+
+
+def _identical(job: jobs.Job, expected: dict[str, torch.Tensor]) -> bool:
+    weights = job.final()["weights"]
+    return weights.keys() == expected.keys() and all(torch.equal(weights[k], expected[k]) for k in expected)
+
+
+def _fired(run_dir: Path, count: int) -> list[int]:
+    return [i for i in range(count) if not (run_dir / "faults" / f"fired-{i}").exists()]
+
+
+def classify(sc: Scenario, work: Path) -> tuple[str, str]:
+    """Run the scenario; returns (outcome, detail)."""
+    run_dir = work / f"s{sc.seed}-{sc.index:04d}"
+    shutil.rmtree(run_dir, ignore_errors=True)
+    expected = reference(work, sc.reference)
+    job, codes, left = _run_job(run_dir, sc.strategy, sc.replicate_every, sc.spec)
+    return judge(sc, job, codes, left, expected)
+
+
+def judge(
+    sc: Scenario, job: jobs.Job, codes: list[int] | None, left: list[int], expected: dict[str, torch.Tensor]
+) -> tuple[str, str]:
+    """The outcome of a scenario's job (``codes`` None: it hung; ``left``: processes it left)."""
+    run_dir = job.run_dir
+    if codes is None:
+        return "failure", f"hang: the job ran past {BOUND_S:.0f}s"
+    if left:
+        return "failure", f"orphans: {len(left)} process(es) left after the job ended"
+    missing = _fired(run_dir, len(sc.faults))
+    if missing:
+        return "failure", f"fault(s) {missing} never struck: the scenario tested nothing"
+    events = job.events()
+    if codes != [0]:
+        return _resubmitted(sc, job, events, codes, expected)
+    if not _identical(job, expected):
+        return "failure", "divergence: final weights differ from the failure-free run"
+    applied = [job.applied(r) for r in range(WORLD)]
+    if any(set(a) != set(range(STEPS)) for a in applied):
+        return "failure", f"steps missing: applied {applied}"
+    recomputed = max(len(a) - STEPS for a in applied)
+    restarts = sum(e["event"] == "job_restart" for e in events)
+    rolled = max([e.get("steps_rolled_back") or 0 for e in events if e["event"] == "recovered"], default=0)
+    lost = max([e.get("steps_lost") or 0 for e in events if e["event"] == "snapshot_resumed"], default=0)
+    recoveries = sum(e["event"] == "roster_published" and e["gen"] > 0 for e in events)
+    if not recomputed and not restarts:
+        return "bit-exact", f"{recoveries} recovery(ies), 0 steps recomputed"
+    if (restarts and any(e["event"] == "snapshot_resumed" for e in events)) or rolled:
+        return "fallback", f"{restarts} restart(s), steps lost {lost}, rolled back {rolled}; recomputed {recomputed}"
+    if restarts:
+        return "fallback", f"{restarts} restart(s) before the first snapshot: started over ({recomputed} recomputed)"
+    return "failure", f"{recomputed} step(s) applied twice without a log of lost steps"
+
+
+def _resubmitted(
+    sc: Scenario, job: jobs.Job, events: list[dict], codes: list[int], expected: dict[str, torch.Tensor]
+) -> tuple[str, str]:
+    """The job stopped. Documented only with a reason in the log (an abort) or when its agent was killed
+    (the coordinator's host); then the same job submitted again must resume from its newest snapshot."""
+    aborted = [e for e in events if e["event"] == "job_aborted" and "message" in e]
+    agent_lost = any(f.action == "kill-agent" for f in sc.faults)
+    if not aborted and not agent_lost:
+        return "failure", f"the job stopped ({codes}) without a logged reason:\n{job.output()[-1500:]}"
+    again, codes2, left = _run_job(
+        job.run_dir / "resubmitted", sc.strategy, sc.replicate_every, "", snapshots=job.run_dir / "snapshots"
+    )
+    if codes2 != [0] or left:
+        return "failure", f"the resubmitted job failed ({codes2}, left {left}):\n{again.output()[-1500:]}"
+    if not _identical(again, expected):
+        return "failure", "divergence after resuming from the snapshot"
+    resumed = [e["step"] for e in again.events("snapshot_resumed")]
+    reached = max([len(job.applied(r)) for r in range(WORLD)], default=0)
+    why = aborted[0]["message"].splitlines()[0] if aborted else "the coordinator's agent was killed"
+    start = f"resumed from step {resumed[0]}" if resumed else "no snapshot yet: started over"
+    return "fallback", f"stopped ({why}); resubmitted, {start} (the stopped job had applied {reached} steps)"
+
+
+def run_matrix(seed: int, indices: Iterable[int], work: Path, log=print) -> list[Result]:
+    work.mkdir(parents=True, exist_ok=True)
+    results = []
+    with open(work / "results.jsonl", "a") as out:
+        for index in indices:
+            sc = draw(seed, index)
+            t0 = time.monotonic()
+            try:
+                outcome, detail = classify(sc, work)
+            except Exception as exc:  # a harness error is a failure of the scenario, not of the matrix
+                outcome, detail = "failure", f"harness: {type(exc).__name__}: {exc}"
+            result = Result(
+                index,
+                sc.spec,
+                sc.kind,
+                sc.target.phase,
+                sc.target.action,
+                outcome,
+                detail,
+                round(time.monotonic() - t0, 1),
+            )
+            out.write(json.dumps({"seed": seed, "strategy": sc.strategy, **asdict(result)}) + "\n")
+            out.flush()
+            results.append(result)
+            log(f"{outcome:9s} {result.seconds:5.1f}s  {sc}  -- {detail.splitlines()[0]}")
+            if outcome == "bit-exact" or outcome == "fallback":
+                shutil.rmtree(work / f"s{seed}-{index:04d}", ignore_errors=True)  # keep failures for inspection
+    return results
+
+
+def summary(results: list[Result], seed: int) -> str:
+    """Counts per phase and fault (Markdown), then the replay command of every failure."""
+    outcomes = Counter(r.outcome for r in results)
+    actions = sorted({r.action for r in results})
+    cells: dict[tuple[str, str], Counter] = {}
+    for r in results:
+        cells.setdefault((r.phase, r.action), Counter())[r.outcome] += 1
+    lines = [
+        f"{len(results)} scenarios (seed {seed}): {outcomes['bit-exact']} bit-exact, {outcomes['fallback']} "
+        f"documented fallback, {outcomes['failure']} failure(s).",
+        "",
+        "Each cell: bit-exact / fallback / failure.",
+        "",
+        "| phase | " + " | ".join(actions) + " |",
+        "|---|" + "---|" * len(actions),
+    ]
+    for phase in sorted({r.phase for r in results}, key=PHASES.index):
+        row = []
+        for action in actions:
+            c = cells.get((phase, action))
+            row.append(f"{c['bit-exact']} / {c['fallback']} / {c['failure']}" if c else "")
+        lines.append(f"| {phase} | " + " | ".join(row) + " |")
+    failures = [r for r in results if r.outcome == "failure"]
+    if failures:
+        lines += ["", "Failures (replay each with `torchpass chaos --seed SEED --only INDEX`):", ""]
+        lines += [f"- #{r.index} `{r.scenario}`: {r.detail.splitlines()[0]}" for r in failures]
+    return "\n".join(lines)
