@@ -18,7 +18,8 @@ Phases of a training step: ``boundary`` (start of the step), ``data`` (before a 
 backward), ``reduce`` (gradient all-reduce issued, not yet complete), ``commit`` (reduced, not yet
 committed), ``optimizer`` (the optimizer has applied the committed update; Lightning's step bookkeeping has
 not run yet). Background work: ``replicate`` (``torchpass_fsdp``'s ring replication thread, its shard packed,
-before the exchange), ``snapshot`` (the snapshot thread, before this rank's file is written). A recovery:
+before the exchange), ``snapshot`` (the snapshot thread, before this rank's file is written); these threads
+run at boundaries the job chooses, so for them ``step`` means the first one at or after it. A recovery:
 ``survivor`` (a survivor joined the new group, before the agreement), ``donor`` (before sending state to a
 spare), ``promoted`` (a promoted spare, before receiving its state); for these, ``step`` is the boundary the
 rank last passed (-1 for a spare), so they are usually given without one.
@@ -68,7 +69,9 @@ class Fault:
         return f"{self.action}@{','.join(fields)}"
 
     def matches(self, rank: int, step: int, phase: str) -> bool:
-        return phase == self.phase and self.rank in (None, rank) and self.step in (None, step)
+        if phase != self.phase or self.rank not in (None, rank):
+            return False
+        return self.step is None or step == self.step or (phase in BACKGROUND_PHASES and step > self.step)
 
 
 def parse_all(spec: str) -> list[Fault]:

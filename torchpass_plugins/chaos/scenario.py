@@ -71,9 +71,9 @@ def draw(seed: int, index: int) -> Scenario:
         faults = (_fault(rng, _weighted(rng, _ACTIONS), rank, step, rng.choice(STEP_PHASES)),)
     elif kind == "background":
         # The threads run at boundaries the job chooses (replication rounds, snapshot steps): a fault strikes
-        # the first one on its rank.
+        # the first one at or after its step on its rank, so the step leaves room for one more snapshot.
         phase = rng.choice(("replicate", "snapshot") if strategy == "torchpass_fsdp" else ("snapshot",))
-        faults = (_fault(rng, _weighted(rng, _ACTIONS), rank, None, phase),)
+        faults = (_fault(rng, _weighted(rng, _ACTIONS), rank, min(step, STEPS - SNAPSHOT_EVERY), phase),)
     elif kind == "recovery":
         first = _fault(rng, "kill", rank, step, rng.choice(STEP_PHASES))
         faults = (first, _fault(rng, _weighted(rng, _ACTIONS), None, None, rng.choice(RECOVERY_PHASES)))

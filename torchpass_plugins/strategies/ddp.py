@@ -113,7 +113,22 @@ class TorchPassDDPStrategy(ParallelStrategy):
             if isinstance(callback, TorchPassCallback):
                 callback.attach(rt)
         rt.events.emit("worker_ready", worker=rt.env.worker_id, rank=rt.rank, spare=rt.is_spare)
+        self._end_even_if_skipped()
         self._connect()
+
+    def _end_even_if_skipped(self) -> None:
+        """Lightning skips a fit loop with nothing left to train, its ``on_train_end`` hooks included. A
+        spare that took over a rank lost in the barrier ending ``fit`` holds exactly such a state; it must
+        still join that barrier, which the others are retrying, so the loop's end runs here then."""
+        loop = self.lightning_module.trainer.fit_loop
+        run = loop.run
+
+        def run_to_the_end() -> None:
+            run()
+            if loop.done and self.runtime.last_boundary < loop.epoch_loop.global_step:
+                self.on_train_end()
+
+        loop.run = run_to_the_end
 
     def _connect(self) -> None:
         """Start communicating: a spare receives its predecessor's state here."""
