@@ -4,11 +4,11 @@ What a recovery moves is a training state (parameters plus AdamW moments, a few 
 survivor to the spare, over the generation's gloo group. *torchpass* is exactly that code path:
 ``send_state`` / ``recv_state`` (``torchpass_plugins/state_transfer.py``) over a real ``Transport`` (the
 real ``Member`` connected to a store, the real group rendezvous, the real waits), so the time includes
-packing the state into one buffer, the header and structure messages, and rebuilding every tensor on the
-receiver. *raw* is one ``ProcessGroupGloo.send`` / ``recv`` of a preallocated buffer of the same byte count:
-the wire speed any mechanism over gloo could reach at best (the target's reference). *raw-fresh* is the same,
-but the receiver allocates the buffer for each transfer, as any receiver of a state it did not hold must:
-it shows what first-touching new memory costs apart from torchpass's own copies.
+the structure message, the copy of the small tensors into one message, and the spare allocating every
+tensor it receives into. *raw* is one ``ProcessGroupGloo.send`` / ``recv`` of a preallocated buffer of the
+same byte count: the wire speed any mechanism over gloo could reach at best (the target's reference).
+*raw-fresh* is the same, but the receiver allocates the buffer for each transfer, as any receiver of a
+state it did not hold must: it shows what first-touching new memory costs apart from torchpass's own work.
 
 Two processes (donor rank 0, spare rank 1) on 127.0.0.1 (``GLOO_SOCKET_IFNAME=lo``), each with one
 intra-op thread. Per size, one untimed transfer of each kind warms the connections; then each repetition
@@ -165,7 +165,7 @@ def worker(rank: int, store: str, plan: Plan, out: Path) -> None:
                 if rank == 1:
                     rows.append({"kind": kind, "size": size, "rep": rep, "seconds": seconds, "bytes": moved,
                                  "tensor_bytes": nbytes})
-            if rank == 0:  # what the mechanism adds beside the wire: one copy on each side
+            if rank == 0:  # the copies of pack / unpack (ring replication's packed snapshots), for reference
                 t0 = time.perf_counter()
                 meta, payload = pack(state)
                 t1 = time.perf_counter()
@@ -251,12 +251,16 @@ def render(plan: Plan, table: list[dict[str, Any]], smoke: bool, info: dict[str,
         f"state: float32 weights plus AdamW `exp_avg`/`exp_avg_sq` in tensors of ~{TENSOR_BYTES / 1e6:.0f} MB, a "
         "step counter per parameter, param groups and loop counters, nested like a Lightning checkpoint.",
         "- torchpass: `send_state` / `recv_state` over a real `Transport` (a `Member` on a store, the group's "
-        "rendezvous, its waits): pack into one buffer, header + structure + payload, rebuild every tensor. "
+        "rendezvous, its waits): a first message with the sizes and the structure, then every large tensor sent "
+        "in place (pieces of at most 8 MiB) and received straight into a tensor the spare allocates for it, the "
+        "small ones coalesced into one message, all messages posted at once (no copy of the large tensors on "
+        "either side). "
         "Raw: one `ProcessGroupGloo.send`/`recv` of a preallocated, already touched buffer of the tensor bytes (the "
         "reference of the target); raw, fresh: the same into a buffer the spare allocates for each transfer.",
         f"- Timed on the spare, from a shared barrier until the state (or the bytes) is there; {plan.reps} "
         "repetitions per size after one warm-up transfer of each kind, the three kinds going first in turn. "
-        "Throughput = tensor bytes / median time. Pack / unpack: the two copies, timed alone on the donor.",
+        "Throughput = tensor bytes / median time. Pack / unpack: `pack` / `unpack` of the same state timed alone "
+        "on the donor (the copies of ring replication's packed snapshots; the transfer above makes neither).",
         "",
         "| State | Raw (s) | Raw GB/s | Raw, fresh GB/s | torchpass (s) | torchpass GB/s | torchpass / raw | "
         "Per repetition | torchpass / raw, fresh | Pack (s) | Unpack (s) |",
@@ -271,10 +275,12 @@ def render(plan: Plan, table: list[dict[str, Any]], smoke: bool, info: dict[str,
     worst = min(r["ratio"] for r in table)
     met = "met" if worst >= TARGET else "not met"
     lines += ["", f"**torchpass / raw throughput: {worst:.2f} at worst** (target >= {TARGET:.2f}: {met}).", "",
-              "Where the time goes: `send_state` first packs the whole state into one new buffer (a copy on the "
-              "donor, *Pack*), and only then sends; the spare receives into a buffer it allocates then (first "
-              "touch of every page: *raw, fresh* vs *raw*), and `recv_state` then clones every tensor out of it "
-              "(*Unpack*). On 2 cores these steps run one after the other; none overlaps the wire.", ""]
+              "Where the time goes: the wire, and the spare's first touch of the memory it receives into (each "
+              "tensor is allocated fresh: *raw, fresh* vs *raw* shows what that costs for one buffer). On this VM "
+              "that cost swings widely with how recently the pages were freed (the balloon's free page reporting "
+              "hands freed memory back to the host, which must fault it in again): in these repetitions the spare "
+              "reallocates tensors of the size it freed a moment before. A spare's first-ever transfer pays it "
+              "in full, like *raw, fresh*.", ""]
     return "\n".join(lines)
 
 

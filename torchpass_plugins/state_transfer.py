@@ -1,13 +1,25 @@
 """Moving a nested training state (dicts of tensors and small Python values) between two ranks.
 
-The structure travels as a small pickle; tensor bytes travel as one flat buffer over the process
-group, never through pickle or the store. A header with both sizes goes first, so the receiver allocates
-exactly what is sent (gloo aborts a process on a size mismatch, so the sizes are never guessed).
+The structure travels as a small pickle; tensor bytes travel over the process group, never through pickle
+or the store. The layout is that of one flat payload (every tensor at an offset aligned to 64 bytes), cut
+into *segments*: each large tensor is its own segments (pieces of at most 8 MiB), and each run of small
+tensors is one segment. The sender sends every large tensor in place, from its own memory (no copy), and
+copies each run of small tensors into one staging buffer. The first message carries the sizes and the
+structure (which lists the segments); the sender posts it and all segments at once, so gloo streams them
+back to back. The receiver allocates each large tensor in its final form and receives straight into it
+(posting every receive at once too), and copies the small ones out of their run's buffer: what it hands
+out are ordinary, separate tensors. Gloo aborts a process on a size mismatch, so the receiver learns every
+size from what was sent before it posts a receive.
+
+:func:`pack` builds the same layout in one buffer (ring replication keeps it in host memory);
+:func:`send_packed` sends its segments as slices of that buffer, and :func:`recv_state` takes either.
+:func:`unpack` copies every tensor out of a packed buffer, which its caller may reuse.
 """
 
 from __future__ import annotations
 
 import pickle
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,6 +27,11 @@ import torch
 
 from torchpass_plugins.transport import Transport
 from torchpass_plugins.tree import map_leaves
+
+_ALIGN = 64  # every tensor starts at a multiple of this in the payload (any dtype can view it)
+_SMALL = 1 << 18  # tensors below this many bytes travel coalesced, one segment per run of them
+_PIECE = 1 << 23  # a large tensor travels in segments of at most this many bytes
+_FIRST = 1 << 15  # the first message: the two sizes, then the structure if it fits
 
 
 @dataclass(frozen=True)
@@ -26,7 +43,27 @@ class _TensorRef:
     requires_grad: bool
 
 
-def _strip(state: Any, chunks: list[torch.Tensor]) -> Any:
+@dataclass(frozen=True)
+class _Segment:
+    """Payload bytes [offset, offset + length) of one message: a piece of one large tensor (``direct``),
+    or a run of small tensors; ``members`` index the tensors in leaf order."""
+
+    offset: int
+    length: int
+    members: tuple[int, ...]
+    direct: bool
+
+
+@dataclass(frozen=True)
+class _Layout:
+    skeleton: Any  # the state with every tensor replaced by its _TensorRef
+    size: int  # payload bytes, padding included
+    segments: tuple[_Segment, ...]
+
+
+def _strip(state: Any) -> tuple[Any, list[tuple[_TensorRef, torch.Tensor]], int]:
+    """The skeleton, every tensor (with its place, as flat bytes) in leaf order, and the payload size."""
+    tensors: list[tuple[_TensorRef, torch.Tensor]] = []
     offset = 0
 
     def ref(obj: Any) -> Any:
@@ -34,18 +71,64 @@ def _strip(state: Any, chunks: list[torch.Tensor]) -> Any:
         if not isinstance(obj, torch.Tensor):
             return obj
         flat = obj.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
-        chunks.append(flat)
-        offset += flat.numel()
-        return _TensorRef(offset - flat.numel(), flat.numel(), obj.dtype, tuple(obj.shape), obj.requires_grad)
+        r = _TensorRef(offset, flat.numel(), obj.dtype, tuple(obj.shape), obj.requires_grad)
+        tensors.append((r, flat))
+        offset += -(-flat.numel() // _ALIGN) * _ALIGN
+        return r
 
-    return map_leaves(state, ref)
+    skeleton = map_leaves(state, ref)
+    return skeleton, tensors, offset
 
 
-def _fill(skeleton: Any, payload: torch.Tensor) -> Any:
+def _segments(refs: list[_TensorRef]) -> tuple[_Segment, ...]:
+    out: list[_Segment] = []
+    run: list[int] = []
+
+    def close() -> None:
+        if run:
+            first, last = refs[run[0]], refs[run[-1]]
+            out.append(_Segment(first.offset, last.offset + last.nbytes - first.offset, tuple(run), False))
+            run.clear()
+
+    for i, r in enumerate(refs):
+        if r.nbytes == 0:
+            continue
+        if r.nbytes < _SMALL:
+            run.append(i)
+            continue
+        close()
+        out.extend(_Segment(r.offset + lo, min(_PIECE, r.nbytes - lo), (i,), True) for lo in range(0, r.nbytes, _PIECE))
+    close()
+    return tuple(out)
+
+
+def _refs(skeleton: Any) -> list[_TensorRef]:
+    refs: list[_TensorRef] = []
+    map_leaves(skeleton, lambda obj: refs.append(obj) if isinstance(obj, _TensorRef) else None)
+    return refs
+
+
+def _meta(layout: _Layout) -> torch.Tensor:
+    return torch.frombuffer(bytearray(pickle.dumps(layout)), dtype=torch.uint8)
+
+
+def _layout(meta: torch.Tensor) -> _Layout:
+    return pickle.loads(meta.numpy().tobytes())
+
+
+def _from_bytes(r: _TensorRef, data: torch.Tensor) -> torch.Tensor:
+    """A new tensor holding ``data``, the bytes of ``r`` (copied)."""
+    return data.clone().view(r.dtype).reshape(r.shape)
+
+
+def _rebuild(skeleton: Any, tensors: list[torch.Tensor]) -> Any:
+    """``skeleton`` with its refs replaced by ``tensors`` (in leaf order)."""
+    it = iter(tensors)
+
     def tensor(obj: Any) -> Any:
         if not isinstance(obj, _TensorRef):
             return obj
-        t = payload[obj.offset : obj.offset + obj.nbytes].clone().view(obj.dtype).reshape(obj.shape)
+        t = next(it)
         return t.requires_grad_(obj.requires_grad) if obj.requires_grad else t
 
     return map_leaves(skeleton, tensor)
@@ -54,40 +137,102 @@ def _fill(skeleton: Any, payload: torch.Tensor) -> Any:
 def pack(state: Any, into: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Return (structure as uint8 pickle, all tensor bytes as one uint8 buffer); the bytes go into ``into``
     when it has exactly their size (a buffer reused across rounds costs no fresh pages)."""
-    chunks: list[torch.Tensor] = []
-    skeleton = _strip(state, chunks)
-    meta = torch.frombuffer(bytearray(pickle.dumps(skeleton)), dtype=torch.uint8)
-    if into is not None and into.numel() == sum(c.numel() for c in chunks):
-        payload = torch.cat(chunks, out=into) if chunks else into
-    else:
-        payload = torch.cat(chunks) if chunks else torch.empty(0, dtype=torch.uint8)
-    return meta, payload
+    skeleton, tensors, size = _strip(state)
+    payload = into if into is not None and into.numel() == size else torch.empty(size, dtype=torch.uint8)
+    for r, flat in tensors:
+        payload[r.offset : r.offset + r.nbytes].copy_(flat)
+    return _meta(_Layout(skeleton, size, _segments([r for r, _ in tensors]))), payload
 
 
 def unpack(meta: torch.Tensor, payload: torch.Tensor) -> Any:
-    return _fill(pickle.loads(meta.numpy().tobytes()), payload)
+    """The state :func:`pack` packed, every tensor copied out of ``payload`` (which may be reused)."""
+    layout = _layout(meta)
+    return _rebuild(
+        layout.skeleton, [_from_bytes(r, payload[r.offset : r.offset + r.nbytes]) for r in _refs(layout.skeleton)]
+    )
 
 
 def send_state(transport: Transport, state: Any, dst: int) -> int:
-    """Send ``state`` to rank ``dst``; returns the bytes moved."""
-    return send_packed(transport, *pack(state), dst)
+    """Send ``state`` to rank ``dst`` (received by :func:`recv_state`); returns the bytes moved."""
+    skeleton, tensors, size = _strip(state)
+    segments = _segments([r for r, _ in tensors])
+    parts = []
+    for s in segments:
+        if s.direct:  # in place: a slice of the tensor's own memory
+            r, flat = tensors[s.members[0]]
+            parts.append(flat[s.offset - r.offset : s.offset - r.offset + s.length])
+            continue
+        staging = torch.empty(s.length, dtype=torch.uint8)
+        for i in s.members:
+            r, flat = tensors[i]
+            staging[r.offset - s.offset : r.offset - s.offset + r.nbytes].copy_(flat)
+        parts.append(staging)
+    return _send(transport, _meta(_Layout(skeleton, size, segments)), parts, dst)
 
 
 def send_packed(transport: Transport, meta: torch.Tensor, payload: torch.Tensor, dst: int) -> int:
     """Send what :func:`pack` made (received by :func:`recv_state`); returns the bytes moved."""
-    transport.send(torch.tensor([meta.numel(), payload.numel()], dtype=torch.int64), dst)
-    transport.send(meta, dst)
-    if payload.numel():
-        transport.send(payload, dst)
-    return meta.numel() + payload.numel()
+    return _send(transport, meta, [payload[s.offset : s.offset + s.length] for s in _layout(meta).segments], dst)
+
+
+def _send(transport: Transport, meta: torch.Tensor, parts: list[torch.Tensor], dst: int) -> int:
+    """The first message (sizes, and the structure if it fits), the rest of the structure, the segments:
+    all posted at once, waited for together."""
+    moved = sum(p.numel() for p in parts)
+    first = torch.zeros(_FIRST, dtype=torch.uint8)
+    first[:16].view(torch.int64).copy_(torch.tensor([meta.numel(), moved]))
+    inline = min(meta.numel(), _FIRST - 16)
+    first[16 : 16 + inline] = meta[:inline]
+    rest = [meta[inline:]] if meta.numel() > inline else []
+    _transfer(transport, "send", [first, *rest, *parts], dst)
+    return meta.numel() + moved
 
 
 def recv_state(transport: Transport, src: int) -> tuple[Any, int]:
-    header = torch.empty(2, dtype=torch.int64)
-    transport.recv(header, src)
-    meta = torch.empty(int(header[0]), dtype=torch.uint8)
-    payload = torch.empty(int(header[1]), dtype=torch.uint8)
-    transport.recv(meta, src)
-    if payload.numel():
-        transport.recv(payload, src)
-    return unpack(meta, payload), meta.numel() + payload.numel()
+    """Receive what :func:`send_state` or :func:`send_packed` sent; returns (state, bytes moved)."""
+    first = torch.empty(_FIRST, dtype=torch.uint8)
+    transport.recv(first, src)
+    meta_n, moved = first[:16].view(torch.int64).tolist()
+    meta = torch.empty(meta_n, dtype=torch.uint8)
+    inline = min(meta_n, _FIRST - 16)
+    meta[:inline] = first[16 : 16 + inline]
+    if meta_n > inline:
+        transport.recv(meta[inline:], src)
+    layout = _layout(meta)
+    refs = _refs(layout.skeleton)
+    tensors: list[torch.Tensor | None] = [None] * len(refs)
+    targets: list[torch.Tensor] = []
+
+    def made() -> Iterator[torch.Tensor]:  # each target allocated just before its receive is posted
+        for s in layout.segments:
+            if s.direct:
+                i = s.members[0]
+                r = refs[i]
+                if tensors[i] is None:
+                    tensors[i] = torch.empty(r.shape, dtype=r.dtype)
+                lo = s.offset - r.offset
+                targets.append(tensors[i].reshape(-1).view(torch.uint8)[lo : lo + s.length])
+            else:
+                targets.append(torch.empty(s.length, dtype=torch.uint8))
+            yield targets[-1]
+
+    _transfer(transport, "recv", made(), src)
+    for s, data in zip(layout.segments, targets, strict=True):
+        if not s.direct:
+            for i in s.members:
+                r = refs[i]
+                tensors[i] = _from_bytes(r, data[r.offset - s.offset : r.offset - s.offset + r.nbytes])
+    for i, r in enumerate(refs):
+        if tensors[i] is None:  # no bytes
+            tensors[i] = torch.empty(r.shape, dtype=r.dtype)
+    return _rebuild(layout.skeleton, tensors), meta_n + moved
+
+
+def _transfer(transport: Transport, op: str, tensors: Iterable[torch.Tensor], peer: int) -> None:
+    """All sends (or receives) posted at once and waited for together, where the transport can."""
+    many = getattr(transport, f"{op}_many", None)
+    if many is not None:
+        many(tensors, peer)
+        return
+    for t in tensors:
+        getattr(transport, op)(t, peer)

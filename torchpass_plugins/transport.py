@@ -12,6 +12,7 @@ from __future__ import annotations
 import ctypes
 import threading
 import time
+from collections.abc import Iterable
 from concurrent.futures import Future
 from datetime import timedelta
 
@@ -144,3 +145,38 @@ class Transport:
     def recv(self, tensor: torch.Tensor, src: int, tag: int = 0) -> None:
         self.wait(self.pg.recv([tensor], src, tag), "recv")
 
+    def send_many(self, tensors: Iterable[torch.Tensor], dst: int, tag: int = 0) -> None:
+        """Send ``tensors`` in order, all posted at once (gloo streams them back to back); waits for all."""
+        self.wait_all(self._post(self.pg.send, tensors, dst, tag), "send")
+
+    def recv_many(self, tensors: Iterable[torch.Tensor], src: int, tag: int = 0) -> None:
+        """Receive into ``tensors`` in order (matching :meth:`send_many`), all posted at once; waits for
+        all. ``tensors`` may be a generator: each receive is posted as soon as its tensor is made, while
+        the earlier ones stream."""
+        self.wait_all(self._post(self.pg.recv, tensors, src, tag), "recv")
+
+    def _post(self, op, tensors: Iterable[torch.Tensor], peer: int, tag: int) -> list[dist.Work]:
+        works: list[dist.Work] = []
+        try:
+            for tensor in tensors:
+                works.append(op([tensor], peer, tag))
+        except Exception:
+            for work in works:  # posted, never to be waited for here
+                self.track(work)
+            raise
+        return works
+
+    def wait_all(self, works: list[dist.Work], what: str) -> None:
+        """Like :meth:`wait` for several works: one helper thread waits for them in turn."""
+        fut: Future = Future()
+
+        def wait_works() -> None:
+            try:
+                for work in works:
+                    work.wait()
+                fut.set_result(None)
+            except Exception as exc:  # handed over to the waiting thread
+                fut.set_exception(exc)
+
+        threading.Thread(target=wait_works, name="torchpass-wait", daemon=True).start()
+        self._wait_future(fut, what)
