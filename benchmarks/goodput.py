@@ -53,7 +53,7 @@ class Measured:
     dip: float = 1.032  # snapshot_stall.py: step time after a snapshot / without
     step_ms: float = 970.4  # snapshot_stall.py: the step those are relative to
     snapshot_bytes: float = 504e6
-    transfer_gbps: float = 0.28  # state_transfer.py: torchpass, largest size
+    transfer_gbps: float = 0.83  # state_transfer.py: torchpass, largest size
     ft_regain_s: float = 5.14  # torchft_compare.py: TorchFT, kill -> survivors past the step in flight
     source: dict[str, str] = field(default_factory=dict)
 

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -16,8 +17,10 @@ import torch
 from conftest import STEPS
 from jobs import free_port, run
 
+from torchpass_plugins.callback import _refuse_another_jobs
+from torchpass_plugins.errors import ConfigError
 from torchpass_plugins.events import EventLog, read_events
-from torchpass_plugins.snapshot_store import SnapshotStore
+from torchpass_plugins.snapshot_store import Manifest, SnapshotStore, model_fingerprint
 from torchpass_plugins.snapshot_writer import AsyncSnapshotWriter, SnapshotPlan
 
 
@@ -216,3 +219,52 @@ def test_a_job_that_lost_more_workers_than_spares_restarts_and_resumes_bit_exact
         assert job.applied(rank) == [*range(14), *range(12, STEPS)], f"rank {rank} applied {job.applied(rank)}"
     assert [m.step for m in SnapshotStore(url).committed()] == [8, 12, 16]  # the newest 3 are kept
     assert job.leftovers() == []
+
+
+def test_a_snapshot_directory_of_another_job_is_refused_untouched(tmp_path):
+    snaps = tmp_path / "snaps"
+    train = ("--max-steps", "4", "--snapshot-dir", str(snaps), "--snapshot-every", "2")
+    job, codes = run(tmp_path / "theirs", nproc=3, spares=0, train_args=train)
+    assert codes == [0], job.output()[-3000:]
+    before = sorted((p.relative_to(snaps), p.stat().st_mtime_ns) for p in snaps.rglob("*"))
+    assert any(p.name == "manifest.json" for p in snaps.rglob("*"))
+    job, codes = run(tmp_path / "ours", nproc=2, spares=0, train_args=(*train, "--devices", "2"))
+    assert codes != [0]
+    assert "was written by another job (3 ranks, this job has 2)" in job.output()
+    assert "Give this job its own snapshot directory" in job.output()
+    assert sorted((p.relative_to(snaps), p.stat().st_mtime_ns) for p in snaps.rglob("*")) == before
+    assert not job.events("snapshot_resumed") and not job.events("snapshot_committed")
+
+
+def test_a_snapshot_of_another_model_is_refused():
+    ours, theirs = torch.nn.Linear(4, 2), torch.nn.Linear(4, 3)
+    manifest = Manifest(3, world_size=2, seed=0, files={}, created=0.0, model=model_fingerprint(theirs))
+    assert model_fingerprint(ours) == model_fingerprint(torch.nn.Linear(4, 2))  # values do not matter
+    with pytest.raises(ConfigError, match=r"another job .*a model whose parameters have other names, shapes"):
+        _refuse_another_jobs(manifest, "s3://b/x", world_size=2, model=model_fingerprint(ours))
+    _refuse_another_jobs(replace(manifest, model=model_fingerprint(ours)), "s3://b/x", 2, model_fingerprint(ours))
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A real filesystem that fills up: a 160 kB tmpfs (mounting needs root, which CI has)."""
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=160k", "tmpfs", str(mount)], capture_output=True)
+    if done.returncode:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
+    yield mount
+    subprocess.run(["umount", "-l", str(mount)], check=True)
+
+
+def test_a_full_disk_fails_snapshots_not_the_job_and_the_newest_committed_one_still_loads(tmp_path, small_disk):
+    train = ("--max-steps", "12", "--snapshot-dir", str(small_disk), "--snapshot-every", "2", "--devices", "2")
+    job, codes = run(tmp_path, nproc=2, spares=0, train_args=train)
+    assert codes == [0], job.output()[-3000:]
+    failed = job.events("snapshot_failed")
+    assert failed and any("No space left on device" in e["error"] for e in failed), failed
+    store = SnapshotStore(str(small_disk))
+    committed = store.committed()
+    assert committed, "the first snapshot fits on the disk"
+    manifest, state, refused = store.load_newest(0)
+    assert manifest.step == committed[-1].step and not refused and state["global_step"] == manifest.step

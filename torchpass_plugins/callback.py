@@ -14,7 +14,7 @@ from typing_extensions import override
 
 from torchpass_plugins.errors import ConfigError
 from torchpass_plugins.events import EventLog
-from torchpass_plugins.snapshot_store import SnapshotStore
+from torchpass_plugins.snapshot_store import Manifest, SnapshotStore, model_fingerprint
 from torchpass_plugins.snapshot_writer import AsyncSnapshotWriter, SnapshotPlan, WhenBusy
 
 _LAND_ON_LEAVE_S = 60.0  # how long a worker leaving the job (aborted, migrated) waits for its snapshot in flight
@@ -84,21 +84,25 @@ class TorchPassCallback(Callback):
             )
         store = SnapshotStore(self.snapshot_dir, self.snapshot_storage_options)
         writers = strategy.snapshot_writers()
+        model = model_fingerprint(pl_module)
         if not trainer._checkpoint_connector._loaded_checkpoint and trainer.ckpt_path is None:
-            self._resume(trainer, store, writers)
+            self._resume(trainer, store, writers, model)
         plan = SnapshotPlan(store, strategy.global_rank, strategy.world_size, writers, seed=self.runtime.seed,
                             keep=self.snapshot_keep, when_busy=self.snapshot_when_busy,
-                            commit_timeout=self.snapshot_timeout)
+                            commit_timeout=self.snapshot_timeout, model=model)
         self.writer = AsyncSnapshotWriter(plan, self.runtime.events)
         self.runtime.leave_hooks.append(lambda: self.writer.close(timeout=_LAND_ON_LEAVE_S))
         self.runtime.rollback_hooks.append(self.writer.fence)
 
-    def _resume(self, trainer, store: SnapshotStore, writers: list[int]) -> None:
+    def _resume(self, trainer, store: SnapshotStore, writers: list[int], model: str) -> None:
         """All ranks resume from the newest snapshot whose files all verify (each rank reads the file of
         its own rank, or the single writer's)."""
         strategy, events = trainer.strategy, self.runtime.events
         rank = strategy.global_rank
         steps = strategy.broadcast([m.step for m in store.committed()] if rank == 0 else None, 0)
+        newest = store.manifest(steps[-1]) if steps else None
+        if newest is not None:
+            _refuse_another_jobs(newest, store.url, strategy.world_size, model)
 
         def everyone(ok: bool) -> bool:
             return bool(strategy.reduce(torch.tensor(int(ok)), reduce_op="min").item())
@@ -149,3 +153,19 @@ class TorchPassCallback(Callback):
             self.runtime.events.emit("snapshot_failed", rank=trainer.global_rank, step=self._last_snapshot,
                                      error=f"still in flight {self.snapshot_timeout:g} s after training ended: "
                                      "abandoned (the previous snapshot stands)")
+
+
+def _refuse_another_jobs(manifest: Manifest, url: str, world_size: int, model: str) -> None:
+    """Resuming from another job's snapshot would train the wrong state, and this job's retention would then
+    delete that job's snapshots: stop with the reason instead."""
+    theirs = []
+    if manifest.world_size != world_size:
+        theirs.append(f"{manifest.world_size} ranks, this job has {world_size}")
+    if manifest.model and manifest.model != model:
+        theirs.append("a model whose parameters have other names, shapes or dtypes")
+    if theirs:
+        raise ConfigError(
+            f"torchpass: the newest snapshot in {url} (step {manifest.step}) was written by another job "
+            f"({'; '.join(theirs)}). Give this job its own snapshot directory (snapshots.dir / snapshot_dir); "
+            "nothing there was read or deleted"
+        )

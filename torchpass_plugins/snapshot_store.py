@@ -28,6 +28,12 @@ FORMAT = 1
 _STEP_DIR = re.compile(r"step-(\d{9})$")
 
 
+def model_fingerprint(module: torch.nn.Module) -> str:
+    """What identifies a job's model across restarts: the names, shapes and dtypes of its state (not values)."""
+    layout = [(name, list(t.shape), str(t.dtype)) for name, t in sorted(module.state_dict().items())]
+    return hashlib.sha256(json.dumps(layout).encode()).hexdigest()[:16]
+
+
 class SnapshotCorrupted(RuntimeError):
     """A committed snapshot whose files do not match their manifest (flipped bytes, truncation, loss)."""
 
@@ -39,6 +45,7 @@ class Manifest:
     seed: int
     files: dict[str, dict[str, Any]]  # name -> {"bytes", "sha256"}
     created: float
+    model: str = ""  # :func:`model_fingerprint` of the job that wrote it
 
     def to_json(self) -> str:
         return json.dumps({"format": FORMAT, **self.__dict__}, sort_keys=True)
@@ -48,7 +55,8 @@ class Manifest:
         d = json.loads(text)
         if d.get("format") != FORMAT:
             raise ValueError(f"unknown snapshot format {d.get('format')!r}")
-        return cls(int(d["step"]), int(d["world_size"]), int(d["seed"]), dict(d["files"]), float(d["created"]))
+        return cls(int(d["step"]), int(d["world_size"]), int(d["seed"]), dict(d["files"]), float(d["created"]),
+                   str(d.get("model", "")))
 
 
 class _HashingWriter:
@@ -88,7 +96,8 @@ class SnapshotStore:
         self.fs.pipe_file(f"{directory}/rank{rank}.json", json.dumps(entry).encode())
         return entry
 
-    def commit(self, step: int, writers: list[int], world_size: int, seed: int, timeout: float) -> Manifest:
+    def commit(self, step: int, writers: list[int], world_size: int, seed: int, timeout: float,
+               model: str = "") -> Manifest:
         """Rank 0: wait until every writing rank's file has landed, then write the manifest (the commit)."""
         directory = self.step_dir(step)
         deadline = time.monotonic() + timeout
@@ -101,7 +110,7 @@ class SnapshotStore:
                 time.sleep(0.05)
                 self.fs.invalidate_cache(directory)
             files[f"rank{rank}.pt"] = json.loads(self.fs.cat_file(record))
-        manifest = Manifest(step, world_size, seed, files, time.time())
+        manifest = Manifest(step, world_size, seed, files, time.time(), model)
         self.fs.pipe_file(f"{directory}/manifest.json", manifest.to_json().encode())
         return manifest
 

@@ -57,6 +57,7 @@ class SnapshotPlan:
     keep: int = 3
     when_busy: WhenBusy = "skip"
     commit_timeout: float = 600.0
+    model: str = ""  # the job's model fingerprint, recorded in each manifest
 
     @property
     def writes(self) -> bool:
@@ -127,7 +128,8 @@ class AsyncSnapshotWriter:
                 self.events.emit("snapshot_written", rank=plan.rank, step=step, bytes=entry["bytes"],
                                  seconds=time.perf_counter() - t0)
             if plan.rank == 0:
-                manifest = plan.store.commit(step, plan.writers, plan.world_size, plan.seed, plan.commit_timeout)
+                manifest = plan.store.commit(step, plan.writers, plan.world_size, plan.seed, plan.commit_timeout,
+                                             plan.model)
                 deleted = plan.store.retain(plan.keep)
                 self.events.emit("snapshot_committed", rank=0, step=step, url=plan.store.url,
                                  bytes=sum(f["bytes"] for f in manifest.files.values()),
