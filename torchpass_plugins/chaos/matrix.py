@@ -59,17 +59,18 @@ def train_args(strategy: str, replicate_every: int, run_dir: Path) -> tuple[str,
 
 
 def session_leftovers(job: jobs.Job) -> list[int]:
-    """Live processes of the job's sessions (each agent starts one): workers, fork servers, anything."""
+    """Live processes of the job: those of its agents' sessions (the agents, fork servers) and every worker
+    it started (each worker leads a session of its own)."""
     sessions = {agent.pid for agent in job.agents}
-    left = []
+    left = {pid for pid in job.worker_pids().values() if jobs.alive(pid)}
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
             fields = stat.read_text().rsplit(")", 1)[1].split()
         except (FileNotFoundError, ProcessLookupError, IndexError):
             continue
         if fields[0] != "Z" and int(fields[3]) in sessions:
-            left.append(int(stat.parent.name))
-    return left
+            left.add(int(stat.parent.name))
+    return sorted(left)
 
 
 def _kill_sessions(job: jobs.Job) -> None:
