@@ -53,12 +53,15 @@ def test_the_verdict_catches_a_divergence_and_a_step_applied_twice(tmp_path):
     assert matrix.judge(sc, job, codes, [12345], expected)[0] == "failure"  # a process left behind
 
 
-# The CI slice: a fault striking a recovery's donor, a GIL-holding hang, the replication thread
-# raising (torchpass_fsdp), and the coordinator's agent killed (the job stops; resubmitted, it resumes).
-SLICE = {22: "bit-exact", 34: "bit-exact", 31: "bit-exact", 40: "fallback"}
+# The CI slice: the scenarios whose seeds found bugs (docs/reliability.md), replayed with the outcome
+# they have since the fix: an FSDP rank stalled outside a collective (was a hang), a stalled snapshot
+# thread (the spare entering in fit's final barrier; was a restart), the promoted spare lost (waits for a
+# refilled spare; was a restart), a kill in FSDP's data phase (never struck), the replication thread raising
+# (was silent), an FSDP rollback to before the first step (diverged).
+SLICE = {2: "fallback", 19: "bit-exact", 8: "bit-exact", 20: "fallback", 58: "fallback", 27: "fallback"}
 
 
-@pytest.mark.parametrize("index", sorted(SLICE))
+@pytest.mark.parametrize("index", list(SLICE))
 def test_fixed_seed_slice_of_the_chaos_matrix(tmp_path, index):
     [result] = matrix.run_matrix(0, [index], tmp_path)
     assert (result.outcome, result.index) == (SLICE[index], index), result.detail

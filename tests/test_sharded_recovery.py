@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
-import pytest
+import copy
 
+import pytest
+import torch
+
+from torchpass_plugins import shard_state
 from torchpass_plugins.membership import Unrecoverable
 from torchpass_plugins.sharded_recovery import ShardAgreement, ShardRow
 from torchpass_plugins.step_replay import ReplayFetcher
@@ -92,3 +96,28 @@ def test_replay_refuses_steps_it_no_longer_holds():
         fetcher.rewind(1)
     fetcher.rewind(2)
     assert next(fetcher) == 2
+
+
+def test_rolling_back_to_before_the_first_step_drops_the_optimizer_state_taken_since():
+    # Found by the chaos matrix (seed 0, #27): a rollback to step 0 kept AdamW's moments of the rolled-back
+    # steps, because the captured state had none to overwrite them with; the replay then diverged.
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    x = torch.randn(8, 4)
+
+    def step() -> None:
+        optimizer.zero_grad()
+        model(x).square().mean().backward()
+        optimizer.step()
+
+    at_start = copy.deepcopy(shard_state.capture(model, optimizer))
+    assert at_start["optim"] == {}
+    step()
+    after_one = copy.deepcopy(model.state_dict())
+    step()
+    shard_state.restore(model, optimizer, at_start)
+    assert not optimizer.state
+    step()
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(tensor, after_one[name]), name

@@ -38,6 +38,8 @@ def restore(module: nn.Module, optimizer: Optimizer | None, state: dict[str, Any
             _local(named[name]).copy_(value)
         if optimizer is None:
             return
+        for name in state["params"].keys() - state["optim"].keys():
+            optimizer.state.pop(named[name], None)  # a state from before this parameter's first step: none
         for name, values in state["optim"].items():
             p = named[name]
             slot = optimizer.state[p]
