@@ -33,12 +33,18 @@ def test_scenarios_replay_from_their_seed_and_the_matrix_covers_every_phase_and_
         assert [faults.Fault.parse(item) for item in s.spec.split(";")] == list(s.faults)
 
 
-def test_the_verdict_catches_a_divergence_and_a_step_applied_twice(tmp_path):
+@pytest.fixture(scope="module")
+def work(tmp_path_factory):
+    """One work directory for the module, so each failure-free reference run is made once."""
+    return tmp_path_factory.mktemp("chaos")
+
+
+def test_the_verdict_catches_a_divergence_and_a_step_applied_twice(work):
     # One real job with a kill; judged against the true reference, a perturbed one, and a doctored log.
     sc = draw(0, 16)
     assert sc.spec == "kill@rank=2,step=8,phase=data" and sc.strategy == "torchpass_ddp"
-    expected = matrix.reference(tmp_path, sc.reference)
-    job, codes, left = matrix._run_job(tmp_path / "run", sc.strategy, sc.replicate_every, sc.spec)
+    expected = matrix.reference(work, sc.reference)
+    job, codes, left = matrix._run_job(work / "verdict", sc.strategy, sc.replicate_every, sc.spec)
     assert matrix.judge(sc, job, codes, left, expected)[0] == "bit-exact"
     perturbed = {k: v.clone() for k, v in expected.items()}
     name = next(iter(perturbed))
@@ -57,11 +63,14 @@ def test_the_verdict_catches_a_divergence_and_a_step_applied_twice(tmp_path):
 # they have since the fix: an FSDP rank stalled outside a collective (was a hang), a stalled snapshot
 # thread (the spare entering in fit's final barrier; was a restart), the promoted spare lost (waits for a
 # refilled spare; was a restart), a kill in FSDP's data phase (never struck), the replication thread raising
-# (was silent), an FSDP rollback to before the first step (diverged).
-SLICE = {2: "fallback", 19: "bit-exact", 8: "bit-exact", 20: "fallback", 58: "fallback", 27: "fallback"}
+# (was silent), an FSDP rollback to before the first step (diverged; whether the kill lands before or after
+# step 2's replication round completes decides between a rollback and a bit-exact swap, so both are right:
+# the unit test in test_sharded_recovery.py pins the rollback itself).
+SLICE = {2: {"fallback"}, 19: {"bit-exact"}, 8: {"bit-exact"}, 20: {"fallback"}, 58: {"fallback"},
+         27: {"fallback", "bit-exact"}}
 
 
 @pytest.mark.parametrize("index", list(SLICE))
-def test_fixed_seed_slice_of_the_chaos_matrix(tmp_path, index):
-    [result] = matrix.run_matrix(0, [index], tmp_path)
-    assert (result.outcome, result.index) == (SLICE[index], index), result.detail
+def test_fixed_seed_slice_of_the_chaos_matrix(work, index):
+    [result] = matrix.run_matrix(0, [index], work)
+    assert result.index == index and result.outcome in SLICE[index], f"{result.outcome}: {result.detail}"
