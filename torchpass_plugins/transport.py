@@ -92,16 +92,7 @@ class Transport:
         try:
             fut = work.get_future()
         except RuntimeError:  # gloo send/recv have no future: a helper thread waits instead
-            fut = Future()
-
-            def wait_work() -> None:
-                try:
-                    work.wait()
-                    fut.set_result(None)
-                except Exception as exc:  # handed over to the waiting thread
-                    fut.set_exception(exc)
-
-            threading.Thread(target=wait_work, name="torchpass-wait", daemon=True).start()
+            fut = _waited_in_thread([work])
         self._wait_future(fut, what)
 
     def _wait_future(self, fut, what: str):
@@ -168,15 +159,20 @@ class Transport:
 
     def wait_all(self, works: list[dist.Work], what: str) -> None:
         """Like :meth:`wait` for several works: one helper thread waits for them in turn."""
-        fut: Future = Future()
+        self._wait_future(_waited_in_thread(works), what)
 
-        def wait_works() -> None:
-            try:
-                for work in works:
-                    work.wait()
-                fut.set_result(None)
-            except Exception as exc:  # handed over to the waiting thread
-                fut.set_exception(exc)
 
-        threading.Thread(target=wait_works, name="torchpass-wait", daemon=True).start()
-        self._wait_future(fut, what)
+def _waited_in_thread(works: list[dist.Work]) -> Future:
+    """A future that a helper thread completes once every work is done (or fails with the first error)."""
+    fut: Future = Future()
+
+    def wait_works() -> None:
+        try:
+            for work in works:
+                work.wait()
+            fut.set_result(None)
+        except Exception as exc:  # handed over to the waiting thread
+            fut.set_exception(exc)
+
+    threading.Thread(target=wait_works, name="torchpass-wait", daemon=True).start()
+    return fut
