@@ -125,7 +125,7 @@ def _identical(job: jobs.Job, expected: dict[str, torch.Tensor]) -> bool:
     return weights.keys() == expected.keys() and all(torch.equal(weights[k], expected[k]) for k in expected)
 
 
-def _fired(run_dir: Path, count: int) -> list[int]:
+def _not_struck(run_dir: Path, count: int) -> list[int]:
     return [i for i in range(count) if not (run_dir / "faults" / f"fired-{i}").exists()]
 
 
@@ -147,7 +147,7 @@ def judge(
         return "failure", f"hang: the job ran past {BOUND_S:.0f}s"
     if left:
         return "failure", f"orphans: {len(left)} process(es) left after the job ended"
-    missing = _fired(run_dir, len(sc.faults))
+    missing = _not_struck(run_dir, len(sc.faults))
     if missing:
         return "failure", f"fault(s) {missing} never struck: the scenario tested nothing"
     events = job.events()
