@@ -103,7 +103,7 @@ class RingReplicator:
                 raise PeerFailure("newer roster")
             header = torch.tensor([step, mine.meta.numel(), mine.payload.numel()], dtype=torch.int64)
             theirs = torch.empty(3, dtype=torch.int64)
-            _both(side, [side.pg.send([header], succ, 0), side.pg.recv([theirs], pred, 0)])
+            side.wait_all([side.pg.send([header], succ, 0), side.pg.recv([theirs], pred, 0)], "replication header")
             got_step, meta_n, payload_n = theirs.tolist()
             meta = torch.empty(meta_n, dtype=torch.uint8)
             payload = _retire_oldest(self.replicas)
@@ -114,15 +114,10 @@ class RingReplicator:
                 works.append(side.pg.send([mine.payload], succ, 2))
             if payload_n:
                 works.append(side.pg.recv([payload], pred, 2))
-            _both(side, works)
+            side.wait_all(works, "replication send/recv")
             self.replicas[got_step] = Packed(meta, payload)
         except PeerFailure as exc:
             self._error = str(exc)
-
-
-def _both(side: Transport, works: list) -> None:
-    for work in works:
-        side.wait(work, "replication send/recv")
 
 
 def _retire_oldest(packs: dict[int, Packed]) -> torch.Tensor | None:

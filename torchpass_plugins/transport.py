@@ -2,9 +2,12 @@
 
 A gloo collective whose peer died may block the survivors until the group's timeout, and neither
 ``abort()`` nor ``destroy_process_group()`` from another thread unblocks it. So every operation here is
-issued asynchronously and waited on in Python: the wait ends as soon as the work completes *or* the
-member's roster watch reports a newer generation. The stuck group is abandoned; its own timeout fires
-later, harmlessly, as a backstop.
+issued asynchronously and waited on in short slices (``Work.wait(timeout)`` gives up without touching the
+operation): the wait ends as soon as the work completes *or* the member's roster watch reports a newer
+generation. The waiting thread sleeps in gloo's own condition variable, so a completed operation wakes it
+directly, with no helper thread to hand over to (a handover costs a scheduling round per operation, which
+shows in the step time when workers outnumber cores). The stuck group is abandoned; its own timeout
+fires later, harmlessly, as a backstop.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import torch.distributed as dist
 from torchpass_plugins.membership import Member
 
 _TICK = 0.05
+_SLICE = timedelta(seconds=_TICK)
 
 
 class PeerFailure(RuntimeError):
@@ -39,7 +43,7 @@ class Transport:
         self.gen = -1
         self.rank = -1
         self.world_size = member.env.world_size
-        self._escaped: list = []  # futures of operations that may still be pending (see _retire)
+        self._escaped: list = []  # completion futures of operations that may still be pending (see _retire)
         self.waited = 0.0  # seconds spent waiting for operations so far (straggler detection subtracts it)
 
     def stale(self) -> bool:
@@ -66,7 +70,7 @@ class Transport:
     def track(self, work: dist.Work) -> None:
         """An operation issued but waited for elsewhere (or never, if a recovery comes first)."""
         self._escaped = [f for f in self._escaped if not f.done()]
-        self._escaped.append(work.get_future())
+        self._escaped.append(_completion(work))
 
     def _retire(self, pg: dist.ProcessGroup | None) -> None:
         """Drop a replaced group. If one of its operations is still pending (escaped from a wait, or
@@ -89,25 +93,48 @@ class Transport:
         return all(f.done() for f in self._escaped)
 
     def wait(self, work: dist.Work, what: str) -> None:
+        """Block until ``work`` is done; ``PeerFailure`` if it failed or a newer roster replaced the group."""
         try:
-            fut = work.get_future()
-        except RuntimeError:  # gloo send/recv have no future: a helper thread waits instead
-            fut = _waited_in_thread([work])
-        self._wait_future(fut, what)
-
-    def _wait_future(self, fut, what: str):
-        done = threading.Event()
-        fut.add_done_callback(lambda _: done.set())
+            work.get_future()
+        except RuntimeError:  # gloo send/recv: no future, and a timed-out wait would close the connection
+            self.wait_all([work], what)
+            return
         t0 = time.perf_counter()
         try:
-            while not done.wait(_TICK):
+            while True:
+                try:
+                    work.wait(_SLICE)  # a collective's timed-out wait leaves the operation running
+                    return
+                except Exception:
+                    if work.is_completed():  # failed: the plain wait below raises its own error
+                        break
                 if self.stale():
-                    self._escaped.append(fut)
+                    self._escaped.append(work.get_future())
                     raise PeerFailure(f"{what}: generation {self.member.latest_gen} replaced {self.gen}")
+            try:
+                work.wait()
+            except Exception as exc:
+                raise PeerFailure(f"{what}: {exc}") from exc
         finally:
             self.waited += time.perf_counter() - t0
+
+    def wait_all(self, works: list[dist.Work], what: str) -> None:
+        """Like :meth:`wait` for several works (send/recv too): one helper thread waits for them in turn."""
+        t0 = time.perf_counter()
         try:
-            return fut.result() if isinstance(fut, Future) else fut.value()
+            self._wait_future(_waited_in_thread(works), what)
+        finally:
+            self.waited += time.perf_counter() - t0
+
+    def _wait_future(self, fut: Future, what: str):
+        done = threading.Event()
+        fut.add_done_callback(lambda _: done.set())
+        while not done.wait(_TICK):
+            if self.stale():
+                self._escaped.append(fut)
+                raise PeerFailure(f"{what}: generation {self.member.latest_gen} replaced {self.gen}")
+        try:
+            return fut.result()
         except Exception as exc:
             raise PeerFailure(f"{what}: {exc}") from exc
 
@@ -157,9 +184,13 @@ class Transport:
             raise
         return works
 
-    def wait_all(self, works: list[dist.Work], what: str) -> None:
-        """Like :meth:`wait` for several works: one helper thread waits for them in turn."""
-        self._wait_future(_waited_in_thread(works), what)
+
+def _completion(work: dist.Work):
+    """A future that is done once ``work`` is (gloo send/recv have none of their own: a helper thread's)."""
+    try:
+        return work.get_future()
+    except RuntimeError:
+        return _waited_in_thread([work])
 
 
 def _waited_in_thread(works: list[dist.Work]) -> Future:
