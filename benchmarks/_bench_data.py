@@ -19,6 +19,16 @@ def add_run_args(p: argparse.ArgumentParser) -> None:
                           ("--kill-rank", -1), ("--kill-step", -1)):
         p.add_argument(flag, type=int, default=default)
     p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--pin", action="store_true", help="pin this process to one core: its slot on the node mod cores")
+
+
+def pin_to_core() -> None:
+    """Pin every thread of this process to one core, chosen by its slot on the node by the same rule under
+    every launcher, so that side-by-side runs differ by what they run, not by where the scheduler moved
+    them (unpinned, run medians of one configuration spread by +-10% on this 2-core machine)."""
+    slot = int(os.environ.get("LOCAL_RANK") or os.environ.get("TORCHPASS_LOCAL_SLOT") or 0)
+    for tid in os.listdir("/proc/self/task"):
+        os.sched_setaffinity(int(tid), {slot % os.cpu_count()})
 
 
 def mlp(features: int, hidden: int, depth: int, classes: int) -> nn.Sequential:

@@ -12,6 +12,7 @@ import argparse
 import atexit
 import ctypes
 import datetime as dt
+import fcntl
 import json
 import os
 import platform
@@ -27,7 +28,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 REPO = Path(__file__).resolve().parent.parent
 BENCH_DIR = REPO / "benchmarks"
@@ -35,6 +36,7 @@ TRAIN_SCRIPT = BENCH_DIR / "bench_train.py"
 DOC = REPO / "docs" / "benchmarks.md"
 SMOKE_DOC = BENCH_DIR / "out" / "benchmarks-smoke.md"
 _PR_SET_CHILD_SUBREAPER = 36
+T = TypeVar("T")
 
 
 class RunFailed(RuntimeError):
@@ -176,6 +178,20 @@ def run_bounded(cmd: Sequence[str], env: dict[str, str], timeout_s: float, log_p
     return code
 
 
+def attempt(tag: str, run: Callable[[], T], failures: list[str], strict: bool) -> T | None:
+    """One benchmark run, announced and reported under ``tag``; a failed run (``RunFailed``) is printed and
+    added to ``failures``, and gives None, or, if ``strict`` (smoke mode: any failure fails it), raises."""
+    print(f"{tag} ...", flush=True)
+    try:
+        return run()
+    except RunFailed as exc:
+        failures.append(f"{tag}: {exc}")
+        print(f"{tag} FAILED: {exc}", file=sys.stderr, flush=True)
+        if strict:
+            raise
+        return None
+
+
 def tail(path: Path, lines: int = 25) -> str:
     try:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
@@ -306,17 +322,20 @@ def update_section(doc: Path, name: str, body: str) -> None:
     the section if it is missing), leaving every other section as it was."""
     start, end = f"<!-- {name}:start -->", f"<!-- {name}:end -->"
     block = f"{start}\n{body.rstrip()}\n{end}"
-    text = doc.read_text() if doc.exists() else _DOC_HEADER
-    if start in text and end in text:
-        before, rest = text.split(start, 1)
-        after = rest.split(end, 1)[1]
-        text = before + block + after
-    else:
-        text = text.rstrip() + "\n\n" + block + "\n"
     doc.parent.mkdir(parents=True, exist_ok=True)
-    tmp = doc.with_suffix(doc.suffix + ".tmp")
-    tmp.write_text(text)
-    tmp.replace(doc)
+    (BENCH_DIR / "out").mkdir(exist_ok=True)
+    with open(BENCH_DIR / "out" / ".publish.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # scripts of the smoke suite run side by side
+        text = doc.read_text() if doc.exists() else _DOC_HEADER
+        if start in text and end in text:
+            before, rest = text.split(start, 1)
+            after = rest.split(end, 1)[1]
+            text = before + block + after
+        else:
+            text = text.rstrip() + "\n\n" + block + "\n"
+        tmp = doc.with_suffix(doc.suffix + ".tmp")
+        tmp.write_text(text)
+        tmp.replace(doc)
 
 
 def bench_args(

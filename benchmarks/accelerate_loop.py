@@ -39,6 +39,7 @@ from regain import KILL_RANK, measure
 
 SCRIPT = BENCH_DIR / "bench_accelerate.py"
 PROTECTED, PLAIN = "torchpass", "plain"
+STEADY_RANKS = 2  # step time: one rank per core, each pinned (see overhead.py)
 
 
 @dataclass(frozen=True)
@@ -81,7 +82,7 @@ def launch(processes: int, protected: bool, spares: int, run_dir: Path, script_a
 
 def step_time(size: Size, mode: str, work: Path) -> float:
     out = work / "out"
-    cmd = launch(3, mode == PROTECTED, 0, work / "run", size.args(out, accumulate=1, kill=False))
+    cmd = launch(STEADY_RANKS, mode == PROTECTED, 0, work / "run", [*size.args(out, accumulate=1, kill=False), "--pin"])
     code = run_bounded(cmd, worker_env(), size.timeout_s, work / "launcher.log")
     if code != 0:
         raise RunFailed(f"{mode}: exited {code}\n{tail(work / 'launcher.log')}")
@@ -119,10 +120,11 @@ def render(size: Size, times: dict[str, list[float]], regains: list[dict[str, fl
         f"- Setup: `benchmarks/bench_accelerate.py`, a plain Accelerate loop (`Accelerator(cpu=True)`, seedable "
         f"shuffled loader, AdamW); MLP {size.features} -> {size.hidden}x{size.depth} -> 10 ({size.params:,} "
         f"parameters), batch {size.batch_size} per rank, gloo, one intra-op thread per worker.",
-        f"- Step time: 3 ranks, no accumulation, median of rank 0's step-to-step deltas over steps "
-        f"{size.warmup}..{size.steps - 1}; runs alternate protected / plain. Protected: `accelerate launch "
-        "--num_processes 3 -m torchpass_plugins.run --spares 0`; plain: `accelerate launch --num_processes 3` "
-        "(Accelerate's DDP; `TorchPass` passes through).",
+        f"- Step time: {STEADY_RANKS} ranks, each pinned to one core, no accumulation, median of rank 0's "
+        f"step-to-step deltas over steps {size.warmup}..{size.steps - 1}; runs alternate protected / plain. "
+        f"Protected: `accelerate launch --num_processes {STEADY_RANKS} -m torchpass_plugins.run --spares 0`; "
+        f"plain: `accelerate launch --num_processes {STEADY_RANKS}` (Accelerate's DDP; `TorchPass` passes "
+        "through).",
         "",
         "| Loop | Runs | Median step (ms) | Min-max of run medians (ms) |",
         "|---|---|---|---|",

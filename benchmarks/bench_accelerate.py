@@ -17,7 +17,7 @@ import warnings
 from pathlib import Path
 
 import torch
-from _bench_data import mlp
+from _bench_data import mlp, pin_to_core
 from accelerate import Accelerator, DataLoaderConfiguration
 from accelerate.utils import set_seed
 from torch import nn
@@ -34,7 +34,10 @@ def main() -> None:
                           ("--kill-step", -1)):
         p.add_argument(flag, type=int, default=default)
     p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--pin", action="store_true", help="pin this process to one core (see pin_to_core)")
     args = p.parse_args()
+    if args.pin:
+        pin_to_core()
     warnings.simplefilter("ignore", UnprotectedRunWarning)  # the baseline is unprotected on purpose
 
     set_seed(0)

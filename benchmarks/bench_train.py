@@ -18,10 +18,12 @@ from typing import Any
 
 import lightning as L
 import torch
-from _bench_data import add_run_args, claim, make_dataset, mlp
+from _bench_data import add_run_args, claim, make_dataset, mlp, pin_to_core
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.plugins.io import AsyncCheckpointIO
+from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import nn
+from torch.distributed.fsdp import fully_shard
 from torch.utils.data import DataLoader
 
 
@@ -32,6 +34,17 @@ class MLP(L.LightningModule):
         super().__init__()
         self.save_hyperparameters()
         self.net = mlp(features, hidden, depth, classes)
+
+    def configure_model(self) -> None:
+        """Under Lightning's ``ModelParallelStrategy`` (plain FSDP2): shard as ``torchpass_fsdp`` does with
+        ``auto_wrap_policy={nn.Linear}``, each ``nn.Linear`` one unit, then the root."""
+        if not isinstance(self.trainer.strategy, ModelParallelStrategy):
+            return
+        mesh = self.device_mesh["data_parallel"]
+        for module in self.net.modules():
+            if isinstance(module, nn.Linear):
+                fully_shard(module, mesh=mesh)
+        fully_shard(self, mesh=mesh)
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, y = batch
@@ -117,7 +130,7 @@ class SaveTimer(Callback):
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--strategy", choices=("torchpass_ddp", "torchpass_fsdp", "ddp"), required=True)
+    p.add_argument("--strategy", choices=("torchpass_ddp", "torchpass_fsdp", "ddp", "fsdp2"), required=True)
     p.add_argument("--replicate-every", type=int, default=1, help="torchpass_fsdp: ring replica interval (0: off)")
     p.add_argument("--devices", type=int, default=3)
     add_run_args(p)
@@ -127,6 +140,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--async-io", action="store_true", help="with --save-every: Lightning's AsyncCheckpointIO")
     p.add_argument("--save-weights", action="store_true", help="write OUT/weights_rank{r}.pt at the end")
     args = p.parse_args(argv)
+    if args.pin:
+        pin_to_core()
 
     args.out.mkdir(parents=True, exist_ok=True)
     callbacks: list[Callback] = [
@@ -143,6 +158,8 @@ def main(argv: list[str] | None = None) -> None:
             strategy = torchpass_plugins.TorchPassFSDPStrategy(
                 auto_wrap_policy={nn.Linear}, replicate_every_n_steps=args.replicate_every
             )
+    if args.strategy == "fsdp2":
+        strategy = ModelParallelStrategy(data_parallel_size=args.devices, tensor_parallel_size=1)
     plugins: list[Any] = []
     if args.save_every and not args.snapshot_dir:
         callbacks.append(SaveTimer(args.out, args.save_every))

@@ -1,11 +1,11 @@
 """``torchpass_fsdp``: the price of ring replication, and what a recovery costs.
 
-Overhead: steady-state step time with the shard replicated every step vs replication off, same model,
-same launcher, runs alternating. Recovery: 3 active ranks + 1 spare, rank 1 SIGKILLed at the first
-gradient reduce-scatter of step K (``TORCHPASS_FAULTS``); reported: the recovery time each rank logs
-(new roster -> state restored), regain (the agent sees the exit -> every rank has completed step K),
-bytes moved to the spare (shard from the ring successor, the rest from a survivor), the steps rolled
-back, and the host memory the replicas take per rank.
+Overhead: steady-state step time with the shard replicated every step (and, in full mode, every 4
+steps) vs replication off, same model, same launcher, runs alternating. Recovery: 3 active ranks + 1
+spare, rank 1 SIGKILLed at the first gradient reduce-scatter of step K (``TORCHPASS_FAULTS``); reported:
+the recovery time each rank logs (new roster -> state restored), regain (the agent sees the exit -> every
+rank has completed step K), bytes moved to the spare (shard from the ring successor, the rest from a
+survivor), the steps rolled back, and the host memory the replicas take per rank.
 
 Run ``python benchmarks/fsdp_replication.py`` (full) or ``--smoke`` (tiny, checks the pipeline only).
 """
@@ -37,7 +37,8 @@ from _harness import (
     worker_env,
 )
 
-RANKS, KILL_RANK = 3, 1
+RANKS, KILL_RANK = 3, 1  # the recovery's active ranks
+STEADY_RANKS = 2  # the overhead's: one per core, each pinned (see overhead.py)
 
 
 @dataclass(frozen=True)
@@ -54,13 +55,15 @@ SMOKE = Size(features=32, hidden=64, depth=2, classes=4, batch_size=8, steps=12,
 
 
 def launch(size: Size, work: Path, every: int, spares: int, faults: str = "") -> Path:
+    """Steady state (no spares): ``STEADY_RANKS`` pinned ranks; a recovery: ``RANKS`` + ``spares``."""
     out = work / "out"
-    args = ["--strategy", "torchpass_fsdp", "--replicate-every", str(every), "--devices", str(RANKS), "--max-steps",
-            str(size.steps), *size.model_args(), "--out", str(out)]
+    ranks = RANKS if spares else STEADY_RANKS
+    args = ["--strategy", "torchpass_fsdp", "--replicate-every", str(every), "--devices", str(ranks), "--max-steps",
+            str(size.steps), *size.model_args(), "--out", str(out), *([] if spares else ["--pin"])]
     env = worker_env()
     if faults:
         env["TORCHPASS_FAULTS"] = faults
-    code = run_bounded(torchpass_cmd(RANKS + spares, spares, work / "run", args), env, size.timeout_s,
+    code = run_bounded(torchpass_cmd(ranks + spares, spares, work / "run", args), env, size.timeout_s,
                        work / "launcher.log")
     if code != 0:
         raise RunFailed(f"replicate every {every}: launcher exited {code}\n{tail(work / 'launcher.log')}")
@@ -101,26 +104,35 @@ def measure_recovery(size: Size, work: Path) -> Recovery:
     )
 
 
+def _label(every: int) -> str:
+    return {0: "off", 1: "every step"}.get(every, f"every {every} steps")
+
+
 def render(size: Size, times: dict[int, list[float]], recoveries: list[Recovery], smoke: bool, info: dict) -> str:
-    on, off = statistics.median(times[1]), statistics.median(times[0])
-    pairs = [a / b for a, b in zip(times[1], times[0], strict=False)]
+    off = statistics.median(times[0])
     lines = ["## `torchpass_fsdp`: replication overhead and recovery (`benchmarks/fsdp_replication.py`)", ""]
     if smoke:
         lines += ["> **Smoke run**: tiny model, one repetition; the times are not a measurement.", ""]
     lines += machine_lines(info, command_line())
     lines += [
-        f"- Setup: {RANKS} ranks, FSDP2 (each `nn.Linear` one unit) over gloo; MLP {size.features} -> "
-        f"{size.hidden}x{size.depth} -> {size.classes} ({size.params:,} parameters), batch {size.batch_size} per "
-        f"rank, AdamW; step time = median of rank 0's step-to-step deltas after {size.warmup} warmup steps.",
+        f"- Setup: FSDP2 (each `nn.Linear` one unit) over gloo; MLP {size.features} -> {size.hidden}x{size.depth} "
+        f"-> {size.classes} ({size.params:,} parameters), batch {size.batch_size} per rank, AdamW. Step time: "
+        f"{STEADY_RANKS} ranks, each pinned to one core, median of rank 0's step-to-step deltas after "
+        f"{size.warmup} warmup steps; runs alternate replication every step / off.",
         "",
         "| Replication | Runs | Median step (ms) | Min-max of run medians (ms) |",
         "|---|---|---|---|",
     ]
-    for every, label in ((1, "every step"), (0, "off")):
-        m, lo, hi = summarize(times[every])
-        lines.append(f"| {label} | {len(times[every])} | {m:.1f} | {lo:.1f}-{hi:.1f} |")
-    spread = f"; per interleaved pair {min(pairs):.3f}-{max(pairs):.3f}" if pairs else ""
-    lines += ["", f"**Step time with replication every step / off: {on / off:.3f}** (medians{spread}).", ""]
+    for every, runs in times.items():
+        m, lo, hi = summarize(runs)
+        lines.append(f"| {_label(every)} | {len(runs)} | {m:.1f} | {lo:.1f}-{hi:.1f} |")
+    lines.append("")
+    for every in (e for e in times if e):
+        pairs = [a / b for a, b in zip(times[every], times[0], strict=False)]
+        spread = f"; per interleaved pair {min(pairs):.3f}-{max(pairs):.3f}" if pairs else ""
+        ratio = statistics.median(times[every]) / off
+        lines.append(f"**Step time with replication {_label(every)} / off: {ratio:.3f}** (medians{spread}).  ")
+    lines.append("")
     if recoveries:
         med = {k: statistics.median(getattr(r, k) for r in recoveries) for k in asdict(recoveries[0])}
         lines += [
@@ -147,10 +159,10 @@ def main(argv: list[str] | None = None) -> int:
     reps = args.reps or size.reps
     info = machine()
     work_root = fresh_work_root("fsdp", args.smoke)
-    times: dict[int, list[float]] = {1: [], 0: []}
+    times: dict[int, list[float]] = {every: [] for every in ((1, 0) if args.smoke else (1, 4, 0))}
     recoveries: list[Recovery] = []
     for rep in range(reps):
-        for every in (1, 0):
+        for every in times:
             print(f"[fsdp] rep {rep} replicate every {every} ...", flush=True)
             times[every].append(step_time_ms(size, launch(size, work_root / f"rep{rep}-every{every}", every, 0)))
             print(f"[fsdp] rep {rep} every {every}: median step {times[every][-1]:.2f} ms", flush=True)

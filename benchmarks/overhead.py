@@ -1,9 +1,13 @@
-"""Steady-state step time: ``torchpass_ddp`` under ``torchpass launch`` vs plain Lightning ``ddp`` under torchrun.
+"""Steady-state step time: each torchpass strategy against its plain Lightning counterpart.
 
-No failure is injected: this is the price of being recoverable. Same model, data and seed in both; runs
-alternate (torchpass, plain, torchpass, plain, ...) so slow drifts of the machine hit both alike. Rank 0
-records ``perf_counter`` after every optimizer step; a run's step time is the median of the step-to-step
-deltas after the warmup steps, and each side's figure is the median over its runs.
+No failure is injected: this is the price of being recoverable. Two pairs on the same model, data and seed:
+``torchpass_ddp`` (``torchpass launch``) vs Lightning's ``ddp`` (torchrun), and ``torchpass_fsdp`` with ring
+replication every step vs plain FSDP2 (Lightning's ``ModelParallelStrategy``, ``fully_shard`` on each
+``nn.Linear`` as ``torchpass_fsdp`` does, torchrun); for a small MLP and a ~105M-parameter one. Each worker
+is pinned to one core (its slot mod cores; by default 2 ranks, one per core, as one process per GPU on a
+cluster). Runs alternate torchpass / plain within each pair, so slow drifts of the machine hit both alike.
+Rank 0 records ``perf_counter`` after every optimizer step; a run's step time is the median of the
+step-to-step deltas after the warmup steps, and each side's figure is the median over its runs.
 
 Run ``python benchmarks/overhead.py`` (full) or ``--smoke`` (tiny, checks the pipeline only).
 """
@@ -13,12 +17,13 @@ from __future__ import annotations
 import itertools
 import statistics
 import sys
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from _harness import (
     MLPSize,
     RunFailed,
+    attempt,
     bench_args,
     command_line,
     fresh_work_root,
@@ -35,27 +40,40 @@ from _harness import (
     worker_env,
 )
 
-TORCHPASS, PLAIN = "torchpass_ddp", "ddp"
+PAIRS = {"ddp": ("torchpass_ddp", "ddp"), "fsdp": ("torchpass_fsdp", "fsdp2")}
+WHAT_DIFFERS = {
+    "ddp": "both overlap bucketed gradient all-reduces with backward; `torchpass_ddp` keeps its buckets fixed "
+           "(4 MB), reduces a copy (the local gradients stay intact for a retry) and commits each step with a "
+           "small all-reduce (the commit vote, which also carries migration flags and step times); Lightning's "
+           "`ddp` broadcasts a one-element tensor each step (its SIGTERM check)",
+    "fsdp": "the same FSDP2 units and collectives; `torchpass_fsdp` routes them through its relay group (so a "
+            "failure can break them), packs its shard state after every optimizer step and sends it to its "
+            "ring neighbour in a background thread, and all-reduces a small vector at each step boundary",
+}
 
 
 @dataclass(frozen=True)
 class Size(MLPSize):
-    """Model and schedule of one benchmark mode."""
+    """Model and schedule of one model size."""
 
+    name: str
     steps: int
     warmup: int
-    ranks: int = 3
 
 
-FULL = Size(features=1024, hidden=1024, depth=4, classes=10, batch_size=64, steps=70, warmup=10, reps=3,
-            timeout_s=600)
-SMOKE = Size(features=32, hidden=64, depth=2, classes=4, batch_size=8, steps=12, warmup=4, reps=1, timeout_s=240)
+SMALL = Size(features=1024, hidden=1024, depth=4, classes=10, batch_size=64, reps=3, timeout_s=600, name="small",
+             steps=70, warmup=10)
+LARGE = Size(features=1024, hidden=4096, depth=7, classes=10, batch_size=64, reps=3, timeout_s=900, name="~105M",
+             steps=16, warmup=4)
+SMOKE = Size(features=32, hidden=64, depth=2, classes=4, batch_size=8, reps=1, timeout_s=240, name="tiny",
+             steps=12, warmup=4)
 
 
 @dataclass
 class Result:
     """One run: the median step time after warmup and the spread of the deltas."""
 
+    model: str
     strategy: str
     rep: int
     median_ms: float
@@ -64,18 +82,11 @@ class Result:
     steps_timed: int
 
 
-def script_args(size: Size, strategy: str, out: Path) -> list[str]:
-    return ["--strategy", strategy, "--devices", str(size.ranks), "--max-steps", str(size.steps), "--accumulate", "1",
-            *size.model_args(), "--out", str(out)]
-
-
-def run_once(size: Size, strategy: str, work: Path, rep: int) -> Result:
+def run_once(size: Size, strategy: str, ranks: int, work: Path, rep: int) -> Result:
     out = work / "out"
-    args = script_args(size, strategy, out)
-    if strategy == TORCHPASS:
-        cmd = torchpass_cmd(size.ranks, 0, work / "run", args)
-    else:
-        cmd = torchrun_cmd(size.ranks, args)
+    args = ["--strategy", strategy, "--devices", str(ranks), "--max-steps", str(size.steps), "--accumulate", "1",
+            "--pin", *size.model_args(), "--out", str(out)]
+    cmd = torchpass_cmd(ranks, 0, work / "run", args) if strategy.startswith("torchpass") else torchrun_cmd(ranks, args)
     code = run_bounded(cmd, worker_env(), size.timeout_s, work / "launcher.log")
     if code != 0:
         raise RunFailed(f"{strategy}: launcher exited {code}\n{tail(work / 'launcher.log')}")
@@ -88,44 +99,53 @@ def run_once(size: Size, strategy: str, work: Path, rep: int) -> Result:
     if not deltas:
         raise RunFailed(f"{strategy}: no step after warmup to time")
     deciles = statistics.quantiles(deltas, n=10) if len(deltas) >= 2 else [deltas[0]] * 9
-    return Result(strategy, rep, statistics.median(deltas), deciles[0], deciles[-1], len(deltas))
+    return Result(size.name, strategy, rep, statistics.median(deltas), deciles[0], deciles[-1], len(deltas))
 
 
-def render(size: Size, results: list[Result], failures: list[str], smoke: bool, info: dict[str, str]) -> str:
-    by = {s: [r for r in results if r.strategy == s] for s in (TORCHPASS, PLAIN)}
-    med = {s: summarize(r.median_ms for r in rs) for s, rs in by.items()}
-    ratio = med[TORCHPASS][0] / med[PLAIN][0] if by[TORCHPASS] and by[PLAIN] else float("nan")
-    pairs = [a.median_ms / b.median_ms for a in by[TORCHPASS] for b in by[PLAIN] if a.rep == b.rep]
-    launch = {TORCHPASS: f"`torchpass launch --nproc-per-node {size.ranks} --spares 0`",
-              PLAIN: f"`torchrun --nproc-per-node {size.ranks}`"}
+def launch_of(strategy: str, ranks: int) -> str:
+    if strategy.startswith("torchpass"):
+        return f"`torchpass launch --nproc-per-node {ranks} --spares 0`"
+    return f"`torchrun --nproc-per-node {ranks}`"
+
+
+def render(sizes: list[Size], pairs: list[str], ranks: int, results: list[Result], failures: list[str], smoke: bool,
+           info: dict[str, str]) -> str:
     lines = ["## Steady-state overhead (`benchmarks/overhead.py`)", ""]
     if smoke:
         lines += ["> **Smoke run**: tiny model, one repetition. It checks that the pipeline works; the times "
                   "are not a measurement.", ""]
     lines += machine_lines(info, command_line())
+    models = "; ".join(f"{s.name}: MLP {s.features} -> {s.hidden}x{s.depth} -> {s.classes} ({s.params:,} parameters), "
+                       f"steps {s.warmup}..{s.steps - 1} timed after {s.warmup} warmup steps" for s in sizes)
     lines += [
-        f"- Setup: {size.ranks} ranks, no spares, no failure; MLP {size.features} -> {size.hidden}x{size.depth} -> "
-        f"{size.classes} ({size.params:,} parameters), batch {size.batch_size} per rank, no gradient "
-        "accumulation, AdamW, gloo, one intra-op thread per worker, no logging or checkpointing.",
-        f"- Step time: median of rank 0's step-to-step `perf_counter` deltas over steps {size.warmup}.."
-        f"{size.steps - 1} (the first {size.warmup} steps are warmup); runs alternate torchpass / plain.",
-        "- What differs: both overlap bucketed gradient all-reduces with backward; `torchpass_ddp` keeps its "
-        "buckets fixed (4 MB), reduces a copy (the local gradients stay intact for a retry) and commits each step "
-        "with a small all-reduce (the commit vote, 2 x ranks values that also carry migration flags and step "
-        "times); Lightning's `ddp` broadcasts a one-element tensor each "
-        "step (its SIGTERM check).",
+        f"- Setup: {ranks} ranks, no spares, no failure, each worker pinned to one core (its slot mod cores); "
+        f"batch {sizes[0].batch_size} per rank, no gradient accumulation, AdamW, gloo, one intra-op thread per "
+        f"worker, no logging or checkpointing. Models: {models}.",
+        "- Step time: median of rank 0's step-to-step `perf_counter` deltas after warmup; a side's figure is "
+        "the median over its runs; runs alternate torchpass / plain within each pair.",
+        *(f"- What differs ({p}): {WHAT_DIFFERS[p]}." for p in pairs),
         "",
-        "| Strategy | Launch | Runs | Median step (ms) | Min-max of run medians (ms) | p10-p90 within runs (ms) |",
-        "|---|---|---|---|---|---|",
+        "| Model | Strategy | Launch | Runs | Median step (ms) | Min-max of run medians (ms) "
+        "| p10-p90 within runs (ms) |",
+        "|---|---|---|---|---|---|---|",
     ]
-    for s, rs in by.items():
-        if not rs:
-            continue
-        m, lo, hi = med[s]
-        p10, p90 = statistics.median(r.p10_ms for r in rs), statistics.median(r.p90_ms for r in rs)
-        lines.append(f"| `{s}` | {launch[s]} | {len(rs)} | {m:.1f} | {lo:.1f}-{hi:.1f} | {p10:.1f}-{p90:.1f} |")
-    spread = f"; per interleaved pair {min(pairs):.3f}-{max(pairs):.3f}" if pairs else ""
-    lines += ["", f"**Step time torchpass / plain: {ratio:.3f}** (medians{spread}).", ""]
+    ratios: list[str] = []
+    for size, pair in itertools.product(sizes, pairs):
+        by = {s: [r for r in results if r.model == size.name and r.strategy == s] for s in PAIRS[pair]}
+        for s, rs in by.items():
+            if rs:
+                m, lo, hi = summarize(r.median_ms for r in rs)
+                p10, p90 = statistics.median(r.p10_ms for r in rs), statistics.median(r.p90_ms for r in rs)
+                lines.append(f"| {size.name} | `{s}` | {launch_of(s, ranks)} | {len(rs)} | {m:.1f} | {lo:.1f}-{hi:.1f} "
+                             f"| {p10:.1f}-{p90:.1f} |")
+        mine, plain = by.values()
+        if mine and plain:
+            ratio = summarize(r.median_ms for r in mine)[0] / summarize(r.median_ms for r in plain)[0]
+            per_pair = [a.median_ms / b.median_ms for a in mine for b in plain if a.rep == b.rep]
+            spread = f"{min(per_pair):.3f}-{max(per_pair):.3f}" if per_pair else "-"
+            ratios.append(f"| {size.name} | `{PAIRS[pair][0]}` / `{PAIRS[pair][1]}` | **{ratio:.3f}** | {spread} |")
+    lines += ["", "| Model | Step time ratio | Ratio of medians | Per interleaved pair (min-max) |",
+              "|---|---|---|---|", *ratios, ""]
     if failures:
         lines += [f"Failed runs ({len(failures)}), left out:", ""]
         lines += [f"- {f.splitlines()[0]}" for f in failures]
@@ -133,35 +153,39 @@ def render(size: Size, results: list[Result], failures: list[str], smoke: bool, 
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = bench_args(__doc__, argv, lambda p: p.add_argument(
-        "--ranks", type=int, default=3, help="ranks per run (3 on 2 cores oversubscribes; 2 does not)"))
+    def extra(p) -> None:
+        p.add_argument("--ranks", type=int, default=2, help="ranks per run (more than cores oversubscribes)")
+        p.add_argument("--models", default="small,~105M", help="comma-separated: small, ~105M (smoke: tiny)")
+        p.add_argument("--pairs", default="ddp,fsdp", help="comma-separated: ddp, fsdp")
+
+    args = bench_args(__doc__, argv, extra)
     install_cleanup()
-    size = replace(SMOKE if args.smoke else FULL, ranks=args.ranks)
-    section = "overhead" if args.ranks == 3 else f"overhead-{args.ranks}ranks"
-    reps = args.reps or size.reps
+    known = {s.name: s for s in (SMALL, LARGE)}
+    sizes = [SMOKE] if args.smoke else [known[m] for m in args.models.split(",")]
+    pairs = args.pairs.split(",")
+    section = "overhead" if args.ranks == 2 else f"overhead-{args.ranks}ranks"
     info = machine()
     work_root = fresh_work_root(section, args.smoke)
     results: list[Result] = []
     failures: list[str] = []
-    for rep in range(reps):
-        for strategy in (TORCHPASS, PLAIN):
-            print(f"[overhead] rep {rep} {strategy} ...", flush=True)
-            try:
-                r = run_once(size, strategy, work_root / f"rep{rep}-{strategy}", rep)
-            except RunFailed as exc:
-                failures.append(f"rep {rep} {strategy}: {exc}")
-                print(f"[overhead] rep {rep} {strategy} FAILED: {exc}", file=sys.stderr, flush=True)
-                if args.smoke:
-                    return 1
-                continue
-            results.append(r)
-            print(f"[overhead] rep {rep} {strategy}: median step {r.median_ms:.2f} ms over {r.steps_timed} steps "
-                  f"(p10 {r.p10_ms:.2f}, p90 {r.p90_ms:.2f})", flush=True)
-    body = render(size, results, failures, args.smoke, info)
-    raw = {"machine": info, "size": asdict(size), "results": [asdict(r) for r in results], "failures": failures}
+    for size in sizes:
+        for rep in range(args.reps or size.reps):
+            for strategy in (s for pair in pairs for s in PAIRS[pair]):
+                tag = f"[overhead] {size.name} rep {rep} {strategy}"
+                work = work_root / f"{size.name}-rep{rep}-{strategy}"
+                r = attempt(tag, lambda: run_once(size, strategy, args.ranks, work, rep), failures,  # noqa: B023
+                            strict=args.smoke)
+                if r is not None:
+                    results.append(r)
+                    print(f"{tag}: median step {r.median_ms:.2f} ms over {r.steps_timed} steps "
+                          f"(p10 {r.p10_ms:.2f}, p90 {r.p90_ms:.2f})", flush=True)
+    body = render(sizes, pairs, args.ranks, results, failures, args.smoke, info)
+    raw = {"machine": info, "sizes": [asdict(s) for s in sizes], "ranks": args.ranks,
+           "results": [asdict(r) for r in results], "failures": failures}
     publish(section, args.doc, body, work_root, raw)
-    if {r.strategy for r in results} != {TORCHPASS, PLAIN}:
-        print("[overhead] missing results for one strategy", file=sys.stderr)
+    expected = {(s.name, c) for s in sizes for p in pairs for c in PAIRS[p]}
+    if {(r.model, r.strategy) for r in results} != expected:
+        print("[overhead] missing results for some contender", file=sys.stderr)
         return 1
     return 0
 

@@ -20,6 +20,7 @@ from pathlib import Path
 from _harness import (
     MLPSize,
     RunFailed,
+    attempt,
     bench_args,
     command_line,
     fresh_work_root,
@@ -224,18 +225,12 @@ def main(argv: list[str] | None = None) -> int:
     for rep in range(reps):
         for mode, fn in ((TORCHPASS, run_torchpass), (CKPT, run_ckpt_restart)):
             work = work_root / f"rep{rep}-{mode}"
-            print(f"[regain] rep {rep} {mode} ...", flush=True)
-            try:
-                r = fn(size, work, rep)
-            except RunFailed as exc:
-                failures.append(f"rep {rep} {mode}: {exc}")
-                print(f"[regain] rep {rep} {mode} FAILED: {exc}", file=sys.stderr, flush=True)
-                if args.smoke:
-                    return 1
-                continue
-            results.append(r)
-            print(f"[regain] rep {rep} {mode}: regain {r.regain_s:.3f} s, recomputed {r.steps_recomputed} "
-                  f"step(s), per rank {({k: round(v, 3) for k, v in r.per_rank_s.items()})} {r.extra}", flush=True)
+            r = attempt(f"[regain] rep {rep} {mode}", lambda: fn(size, work, rep), failures,  # noqa: B023
+                        strict=args.smoke)
+            if r is not None:
+                results.append(r)
+                print(f"[regain] rep {rep} {mode}: regain {r.regain_s:.3f} s, recomputed {r.steps_recomputed} step(s), "
+                      f"per rank {({k: round(v, 3) for k, v in r.per_rank_s.items()})} {r.extra}", flush=True)
     body = render(size, results, failures, args.smoke, info)
     raw = {"machine": info, "size": asdict(size), "results": [asdict(r) for r in results], "failures": failures}
     publish("regain", args.doc, body, work_root, raw)

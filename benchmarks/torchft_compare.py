@@ -32,6 +32,7 @@ from _harness import (
     BENCH_DIR,
     REPO,
     RunFailed,
+    attempt,
     bench_args,
     command_line,
     free_port,
@@ -255,6 +256,19 @@ def render(size: Size, results: list[Result], failures: list[str], smoke: bool, 
     return "\n".join(lines)
 
 
+def judged(r: Result, work: Path, reference: Path | None) -> Result:
+    """``r`` with the distance of its final weights from the failure-free run's (when there is one)."""
+    weights = work / "out" / "weights_rank0.pt"
+    if not weights.exists():
+        raise RunFailed(f"{r.mode}: no final weights in {weights.parent}")
+    if reference is not None:
+        try:
+            r.max_abs_diff, r.rel_l2_diff = weight_distance(weights, reference)
+        except OSError as exc:
+            raise RunFailed(f"{r.mode}: cannot read weights: {exc}") from exc
+    return r
+
+
 def main(argv: list[str] | None = None) -> int:
     args = bench_args(__doc__, argv)
     install_cleanup()
@@ -284,22 +298,11 @@ def main(argv: list[str] | None = None) -> int:
     for rep in range(reps):
         for mode, fn in ((TORCHPASS, torchpass_run), (TORCHFT, torchft_run)):
             work = work_root / f"rep{rep}-{mode}"
-            print(f"[torchft] rep {rep} {mode} ...", flush=True)
-            try:
-                r = fn(size, work, rep)
-                weights = work / "out" / "weights_rank0.pt"
-                if not weights.exists():
-                    raise RunFailed(f"{mode}: no final weights in {weights.parent}")
-                if mode in ref:
-                    r.max_abs_diff, r.rel_l2_diff = weight_distance(weights, ref[mode])
-            except (RunFailed, OSError) as exc:
-                failures.append(f"rep {rep} {mode}: {exc}")
-                print(f"[torchft] rep {rep} {mode} FAILED: {exc}", file=sys.stderr, flush=True)
-                if args.smoke:
-                    return 1
-                continue
-            results.append(r)
-            print(f"[torchft] rep {rep} {mode}: {asdict(r)}", flush=True)
+            r = attempt(f"[torchft] rep {rep} {mode}", lambda: judged(fn(size, work, rep), work, ref.get(mode)),  # noqa: B023
+                        failures, strict=args.smoke)
+            if r is not None:
+                results.append(r)
+                print(f"[torchft] rep {rep} {mode}: {asdict(r)}", flush=True)
     moved = {mode: training_move(size, path) for mode, path in ref.items()}
     body = render(size, results, failures, args.smoke, info, versions, moved)
     raw = {"machine": info, "size": asdict(size), "versions": versions, "moved": moved,
