@@ -53,6 +53,7 @@ class Size:
     kill_step: int
     reps: int
     timeout_s: float
+    regain_ranks: int = 3  # the regain's active ranks (+ 1 spare)
 
     @property
     def params(self) -> int:
@@ -68,7 +69,8 @@ class Size:
 
 FULL = Size(features=1024, hidden=1024, depth=4, batch_size=64, steps=70, warmup=10, kill_step=25, reps=3,
             timeout_s=600)
-SMOKE = Size(features=32, hidden=64, depth=2, batch_size=8, steps=12, warmup=4, kill_step=6, reps=1, timeout_s=240)
+SMOKE = Size(features=32, hidden=64, depth=2, batch_size=8, steps=12, warmup=4, kill_step=6, reps=1, timeout_s=240,
+             regain_ranks=2)
 
 
 def launch(processes: int, protected: bool, spares: int, run_dir: Path, script_args: list[str]) -> list[str]:
@@ -96,11 +98,11 @@ def step_time(size: Size, mode: str, work: Path) -> float:
 def regain(size: Size, work: Path, rep: int) -> dict[str, float]:
     out, run_dir = work / "out", work / "run"
     env = {**worker_env(), "TORCHPASS_FAULTS": f"kill@rank={KILL_RANK},step={size.kill_step},phase=reduce"}
-    cmd = launch(4, True, 1, run_dir, size.args(out, accumulate=2, kill=True))
+    cmd = launch(size.regain_ranks + 1, True, 1, run_dir, size.args(out, accumulate=2, kill=True))
     code = run_bounded(cmd, env, size.timeout_s, work / "launcher.log")
     if code != 0:
         raise RunFailed(f"regain: exited {code}\n{tail(work / 'launcher.log')}")
-    result = measure(PROTECTED, rep, out, size.kill_step, code)
+    result = measure(PROTECTED, rep, out, size.kill_step, size.regain_ranks, code)
     events = read_events(run_dir)
     return {"regain_s": result.regain_s, "steps_recomputed": result.steps_recomputed,
             "state_bytes": sum(e["bytes"] for e in events if e["event"] == "state_received"),
@@ -137,8 +139,9 @@ def render(size: Size, times: dict[str, list[float]], regains: list[dict[str, fl
     if regains:
         r = {k: statistics.median(x[k] for x in regains) for k in regains[0]}
         lines += [
-            f"Regain ({len(regains)} runs, medians): 3 active + 1 spare under `accelerate launch --num_processes 4 "
-            f"-m torchpass_plugins.run --spares 1`, gradient accumulation 2, logical rank {KILL_RANK} SIGKILLed in "
+            f"Regain ({len(regains)} runs, medians): {size.regain_ranks} active + 1 spare under `accelerate launch "
+            f"--num_processes {size.regain_ranks + 1} -m torchpass_plugins.run --spares 1`, gradient accumulation 2, "
+            f"logical rank {KILL_RANK} SIGKILLed in "
             f"the gradient reduction of step {size.kill_step}; from the victim's mark until every rank has "
             "completed that step.",
             "",

@@ -49,13 +49,13 @@ class Size(MLPSize):
     ckpt_every: int
     kill_step: int
     max_steps: int
+    devices: int = 3  # logical ranks (smoke: 2, fewer processes to start)
 
 
 FULL = Size(features=512, hidden=1024, depth=3, classes=10, batch_size=32, accumulate=2, ckpt_every=10,
             kill_step=25, max_steps=30, reps=3, timeout_s=600)
 SMOKE = Size(features=16, hidden=32, depth=1, classes=4, batch_size=8, accumulate=2, ckpt_every=4,
-             kill_step=6, max_steps=8, reps=1, timeout_s=240)
-DEVICES = 3
+             kill_step=6, max_steps=8, reps=1, timeout_s=240, devices=2)
 KILL_RANK = 1
 
 
@@ -75,13 +75,13 @@ class Result:
 
 
 def script_args(size: Size, out: Path, strategy: str, ckpt: bool) -> list[str]:
-    args = ["--strategy", strategy, "--devices", str(DEVICES), "--max-steps", str(size.max_steps),
+    args = ["--strategy", strategy, "--devices", str(size.devices), "--max-steps", str(size.max_steps),
             "--accumulate", str(size.accumulate), *size.model_args(), "--out", str(out), "--kill-rank", str(KILL_RANK),
             "--kill-step", str(size.kill_step)]
     return [*args, "--ckpt-every", str(size.ckpt_every)] if ckpt else args
 
 
-def measure(mode: str, rep: int, out: Path, kill_step: int, exit_code: int) -> Result:
+def measure(mode: str, rep: int, out: Path, kill_step: int, ranks: int, exit_code: int) -> Result:
     """Regain from the records: the victim's kill mark, then each rank's first completion of ``kill_step``."""
     marks_path = out / f"kill_marks_rank{KILL_RANK}.txt"
     marks = [float(line.split()[1]) for line in marks_path.read_text().splitlines()] if marks_path.exists() else []
@@ -89,8 +89,8 @@ def measure(mode: str, rep: int, out: Path, kill_step: int, exit_code: int) -> R
         raise RunFailed(f"{mode}: no kill mark: the fault never fired")
     kill = min(marks)  # later marks come from the worker that replayed the step
     records = read_steps(out)
-    if sorted(records) != list(range(DEVICES)):
-        raise RunFailed(f"{mode}: step records for ranks {sorted(records)}, expected 0..{DEVICES - 1}")
+    if sorted(records) != list(range(ranks)):
+        raise RunFailed(f"{mode}: step records for ranks {sorted(records)}, expected 0..{ranks - 1}")
     per_rank: dict[int, float] = {}
     recomputed = 0
     for rank, rows in records.items():
@@ -114,11 +114,11 @@ def run_torchpass(size: Size, work: Path, rep: int, extra: Sequence[str] = ()) -
     run_dir, out = work / "run", work / "out"
     env = worker_env()
     env["TORCHPASS_FAULTS"] = f"kill@rank={KILL_RANK},step={size.kill_step},phase=reduce"
-    cmd = torchpass_cmd(DEVICES + 1, 1, run_dir, [*script_args(size, out, "torchpass_ddp", ckpt=False), *extra])
+    cmd = torchpass_cmd(size.devices + 1, 1, run_dir, [*script_args(size, out, "torchpass_ddp", ckpt=False), *extra])
     code = run_bounded(cmd, env, size.timeout_s, work / "launcher.log")
     if code != 0:
         raise RunFailed(f"torchpass launch exited {code}\n{tail(work / 'launcher.log')}")
-    result = measure(TORCHPASS, rep, out, size.kill_step, code)
+    result = measure(TORCHPASS, rep, out, size.kill_step, size.devices, code)
     events = read_events(run_dir)
     kill = result.kill_time
     exited = [e for e in events if e["event"] == "worker_exited" and e.get("code") == -9]
@@ -136,13 +136,13 @@ def run_torchpass(size: Size, work: Path, rep: int, extra: Sequence[str] = ()) -
 
 def run_ckpt_restart(size: Size, work: Path, rep: int) -> Result:
     out = work / "out"
-    cmd = torchrun_cmd(DEVICES, script_args(size, out, "ddp", ckpt=True), max_restarts=1)
+    cmd = torchrun_cmd(size.devices, script_args(size, out, "ddp", ckpt=True), max_restarts=1)
     code = run_bounded(cmd, worker_env(restarts=True), size.timeout_s, work / "launcher.log")
     if code != 0:
         raise RunFailed(f"torchrun exited {code}\n{tail(work / 'launcher.log')}")
-    result = measure(CKPT, rep, out, size.kill_step, code)
+    result = measure(CKPT, rep, out, size.kill_step, size.devices, code)
     pids = {pid for rows in read_steps(out).values() for *_, pid in rows}
-    if len(pids) < 2 * DEVICES:
+    if len(pids) < 2 * size.devices:
         raise RunFailed(f"ckpt-restart: expected a restarted worker group, saw {len(pids)} worker pids")
     return result
 
@@ -180,7 +180,7 @@ def render(size: Size, results: list[Result], failures: list[str], smoke: bool, 
                   "are not a measurement.", ""]
     lines += machine_lines(info, command_line())
     lines += [
-        f"- Setup: {DEVICES} logical ranks; MLP {size.features} -> {size.hidden}x{size.depth} -> {size.classes} "
+        f"- Setup: {size.devices} logical ranks; MLP {size.features} -> {size.hidden}x{size.depth} -> {size.classes} "
         f"({size.params:,} parameters), batch {size.batch_size} per rank, gradient accumulation "
         f"{size.accumulate}, AdamW, gloo; one intra-op thread per worker. Logical rank {KILL_RANK} is SIGKILLed in "
         f"step {size.kill_step} (0-based), in its last micro-batch, before the step's gradient all-reduce "
@@ -198,10 +198,10 @@ def render(size: Size, results: list[Result], failures: list[str], smoke: bool, 
         "|---|---|---|---|---|---|---|",
     ]
     if tp:
-        lines.append(row(TORCHPASS, "`torchpass launch --nproc-per-node 4 --spares 1`, `torchpass_ddp`", tp,
-                         notes_tp()))
+        launch = f"`torchpass launch --nproc-per-node {size.devices + 1} --spares 1`, `torchpass_ddp`"
+        lines.append(row(TORCHPASS, launch, tp, notes_tp()))
     if ck:
-        lines.append(row(CKPT, "`torchrun --nproc-per-node 3 --max-restarts 1`, `ddp`", ck, notes_ck()))
+        lines.append(row(CKPT, f"`torchrun --nproc-per-node {size.devices} --max-restarts 1`, `ddp`", ck, notes_ck()))
     lines += ["", f"**Checkpoint-restart / torchpass regain: {ratio:.1f}x** (target >= 20x: {target}).", ""]
     lines += ["Per run:", "", "| Run | Mode | Regain (s) | Per rank (s) | Steps recomputed |", "|---|---|---|---|---|"]
     for r in sorted(results, key=lambda r: (r.rep, r.mode != TORCHPASS)):

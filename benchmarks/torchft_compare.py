@@ -2,12 +2,12 @@
 
 *torchpass*: ``regain.py``'s torchpass run (``torchpass launch --nproc-per-node 4 --spares 1``,
 ``torchpass_ddp``, logical rank 1 SIGKILLed inside the gradient all-reduce of step K), saving the final
-weights. *TorchFT* (``torchft-nightly``, the optional extra ``bench-torchft``): ``bench_torchft.py``, three
-replica groups of one process each, TorchFT's lighthouse (``torchft_lighthouse`` with the settings of
-TorchFT's README), its ``Manager``, reconfigurable ``ProcessGroupGloo``, ``Optimizer`` wrapper and sampler;
-replica group 1 SIGKILLs itself in step K after its backward, before its gradients are all-reduced. This
-driver then restarts that group at once, as the scheduler TorchFT relies on (torchelastic, torchx, Slurm)
-would; the new process heals from a peer and takes part again.
+weights. *TorchFT* (``torchft-nightly``, the optional extra ``bench-torchft``): ``bench_torchft.py``, one
+replica group of one process per rank (3; smoke: 2), TorchFT's lighthouse (``torchft_lighthouse`` with
+the settings of TorchFT's README), its ``Manager``, reconfigurable ``ProcessGroupGloo``, ``Optimizer``
+wrapper and sampler; replica group 1 SIGKILLs itself in step K after its backward, before its gradients
+are all-reduced. This driver then restarts that group at once, as the scheduler TorchFT relies on
+(torchelastic, torchx, Slurm) would; the new process heals from a peer and takes part again.
 
 Measured per run: regain (kill -> every surviving rank has completed step K again), when the job is back at
 full strength (torchpass: the same moment; TorchFT: the replacement's first committed step), steps rolled
@@ -49,7 +49,7 @@ from _harness import (
     torchpass_cmd,
     worker_env,
 )
-from regain import DEVICES, FULL, KILL_RANK, SMOKE, Size, run_torchpass, script_args
+from regain import FULL, KILL_RANK, SMOKE, Size, run_torchpass, script_args
 
 TORCHPASS, TORCHFT = "torchpass", "torchft"
 # The lighthouse as TorchFT's README starts it (min 1 replica, 100 ms ticks, 10 s join timeout); its
@@ -100,7 +100,7 @@ def torchpass_reference(size: Size, work: Path) -> Path:
     """The failure-free torchpass run; returns its final weights."""
     out = work / "out"
     args = [*script_args(replace(size, kill_step=-1), out, "torchpass_ddp", ckpt=False), "--save-weights"]
-    code = run_bounded(torchpass_cmd(DEVICES + 1, 1, work / "run", args), worker_env(), size.timeout_s,
+    code = run_bounded(torchpass_cmd(size.devices + 1, 1, work / "run", args), worker_env(), size.timeout_s,
                        work / "launcher.log")
     if code != 0:
         raise RunFailed(f"torchpass reference exited {code}\n{tail(work / 'launcher.log')}")
@@ -130,7 +130,7 @@ def torchft_once(size: Size, work: Path, kill: bool) -> Path:
                                 start_new_session=True)
 
     def replica(r: int, restarted: bool) -> subprocess.Popen:
-        cmd = [sys.executable, str(BENCH_DIR / "bench_torchft.py"), "--replica", str(r), "--groups", str(DEVICES),
+        cmd = [sys.executable, str(BENCH_DIR / "bench_torchft.py"), "--replica", str(r), "--groups", str(size.devices),
                "--lighthouse", f"http://127.0.0.1:{port}", "--store", f"127.0.0.1:{store.port}",
                "--max-steps", str(size.max_steps), "--accumulate", str(size.accumulate), *size.model_args(),
                "--out", str(out)]
@@ -141,9 +141,9 @@ def torchft_once(size: Size, work: Path, kill: bool) -> Path:
     deadline = time.monotonic() + size.timeout_s
     try:
         spawn(["torchft_lighthouse", "--bind", f"127.0.0.1:{port}", *LIGHTHOUSE_FLAGS], work / "lighthouse.log")
-        procs = {r: replica(r, False) for r in range(DEVICES)}
+        procs = {r: replica(r, False) for r in range(size.devices)}
         finished: dict[int, int] = {}
-        while len(finished) < DEVICES:
+        while len(finished) < size.devices:
             if time.monotonic() > deadline:
                 raise RunFailed(f"torchft: timed out after {size.timeout_s:.0f}s\n{tail(work / 'replica0.log')}")
             for r, proc in procs.items():
@@ -171,7 +171,7 @@ def torchft_run(size: Size, work: Path, rep: int) -> Result:
         raise RunFailed("torchft: no kill mark: the fault never fired")
     kill, victim_pid = float(marks[1]), int(marks[2])
     records = read_steps(out)
-    survivors = [r for r in range(DEVICES) if r != KILL_RANK]
+    survivors = [r for r in range(size.devices) if r != KILL_RANK]
     per_rank = {}
     for r in survivors:
         done = [t for step, t, _, _ in records[r] if step == size.kill_step and t > kill]
@@ -184,7 +184,7 @@ def torchft_run(size: Size, work: Path, rep: int) -> Result:
     before = {step for step, t, _, _ in records[0] if t <= kill}
     rolled_back = len(before & {step for step, t, _, _ in records[0] if t > kill})
     return Result(TORCHFT, rep, max(per_rank.values()), (min(back) - kill) if back else None, rolled_back, discarded,
-                  sum(DEVICES - n for n in counts), extra={"per_rank_s": per_rank})
+                  sum(size.devices - n for n in counts), extra={"per_rank_s": per_rank})
 
 
 # -- report ---------------------------------------------------------------------------------------------
@@ -209,19 +209,21 @@ def render(size: Size, results: list[Result], failures: list[str], smoke: bool, 
         f"- TorchFT: `torchft-nightly` {versions.get('torchft', '?')} beside torch {info['torch']}; lighthouse "
         f"`torchft_lighthouse {' '.join(LIGHTHOUSE_FLAGS)}` (TorchFT's README settings; heartbeat timeout: its "
         "default, 5 s).",
-        f"- Job: {DEVICES} ranks / replica groups of one process; MLP {size.features} -> {size.hidden}x{size.depth} -> "
-        f"{size.classes} ({size.params:,} parameters), batch {size.batch_size} per rank, gradient accumulation "
-        f"{size.accumulate}, AdamW, gloo, {size.max_steps} steps; rank 1 SIGKILLed in step {size.kill_step} before "
+        f"- Job: {size.devices} ranks / replica groups of one process; MLP {size.features} -> "
+        f"{size.hidden}x{size.depth} -> {size.classes} ({size.params:,} parameters), batch {size.batch_size} per "
+        f"rank, gradient accumulation {size.accumulate}, AdamW, gloo, {size.max_steps} steps; rank 1 SIGKILLed in "
+        f"step {size.kill_step} before "
         "its gradients reach the others (torchpass: inside the all-reduce; TorchFT: after backward, before "
         "`manager.allreduce`). torchpass: a hot spare takes the rank over. TorchFT: the survivors' commit of the "
-        "step fails, a new quorum forms without the dead group once its heartbeat lapses, they go on with two "
-        "groups; the driver restarts the dead group at once (as torchelastic/torchx would), it heals from a peer "
+        "step fails, a new quorum forms without the dead group once its heartbeat lapses, they go on without it; "
+        "the driver restarts the dead group at once (as torchelastic/torchx would), it heals from a peer "
         "over TorchFT's checkpoint transport and resumes its data shard at the healed step.",
         "- Regain: from the victim's mark until every surviving rank has completed the step in flight. Full "
-        "strength: until all three ranks train again (torchpass: the same moment). Rolled back: steps completed "
+        "strength: until all ranks train again (torchpass: the same moment). Rolled back: steps completed "
         "before and after the kill. Attempts thrown away: failed commits on a survivor. Replica-steps missing: "
-        "steps x groups that ran with fewer than three groups (their batches are never trained on). Distance: "
-        "final weights of rank 0 against a failure-free run of the same approach (max |diff|, ||diff|| / ||w||).",
+        f"steps x groups that ran with fewer than {size.devices} groups (their batches are never trained on). "
+        "Distance: final weights of rank 0 against a failure-free run of the same approach (max |diff|, "
+        "||diff|| / ||w||).",
         "",
         "| Approach | Runs | Regain (s), median (min-max) | Full strength (s), median | Rolled back | "
         "Attempts thrown away | Replica-steps missing | Max abs weight diff | Relative L2 diff |",
