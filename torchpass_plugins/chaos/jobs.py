@@ -90,17 +90,38 @@ class Job:
         return codes
 
     def leftovers(self) -> list[int]:
-        time.sleep(0.2)
-        return [pid for pid in self.worker_pids().values() if alive(pid)]
+        """Live processes of the job once it ended: any in its agents' sessions (the agents, fork servers)
+        and every worker it started (each leads a session of its own); a second look after 1 s spares
+        the processes that were on their way out."""
+        left = self._live()
+        if left:
+            time.sleep(1.0)
+            left = self._live()
+        return left
+
+    def _live(self) -> list[int]:
+        sessions = {agent.pid for agent in self.agents}
+        live = {pid for pid in self.worker_pids().values() if alive(pid)}
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                fields = stat.read_text().rsplit(")", 1)[1].split()
+            except (FileNotFoundError, ProcessLookupError, IndexError):
+                continue
+            if fields[0] != "Z" and int(fields[3]) in sessions:
+                live.add(int(stat.parent.name))
+        return sorted(live)
 
     def kill(self) -> None:
+        """SIGKILL everything the job started, agents first."""
         for agent in self.agents:
             if agent.poll() is None:
                 os.killpg(agent.pid, signal.SIGKILL)
                 agent.wait()
-        for pid in self.worker_pids().values():
-            if alive(pid):
+        for pid in self._live():
+            try:
                 os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
 
 
 def start(

@@ -16,7 +16,6 @@ Outcomes:
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import time
@@ -58,30 +57,6 @@ def train_args(strategy: str, replicate_every: int, run_dir: Path) -> tuple[str,
     )  # fmt: skip
 
 
-def session_leftovers(job: jobs.Job) -> list[int]:
-    """Live processes of the job: those of its agents' sessions (the agents, fork servers) and every worker
-    it started (each worker leads a session of its own)."""
-    sessions = {agent.pid for agent in job.agents}
-    left = {pid for pid in job.worker_pids().values() if jobs.alive(pid)}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except (FileNotFoundError, ProcessLookupError, IndexError):
-            continue
-        if fields[0] != "Z" and int(fields[3]) in sessions:
-            left.add(int(stat.parent.name))
-    return sorted(left)
-
-
-def _kill_sessions(job: jobs.Job) -> None:
-    job.kill()
-    for pid in session_leftovers(job):
-        try:
-            os.kill(pid, 9)
-        except ProcessLookupError:
-            pass
-
-
 def _run_job(
     run_dir: Path,
     strategy: str,
@@ -100,11 +75,8 @@ def _run_job(
         codes = [agent.wait(timeout=max(1.0, job.started + BOUND_S - time.monotonic())) for agent in job.agents]
     except subprocess.TimeoutExpired:
         codes = None
-    left = session_leftovers(job) if codes is not None else []
-    if left:
-        time.sleep(1.0)  # a worker on its way out may still be exiting
-        left = session_leftovers(job)
-    _kill_sessions(job)
+    left = job.leftovers() if codes is not None else []
+    job.kill()
     return job, codes, left
 
 
