@@ -5,9 +5,9 @@ A gloo collective whose peer died may block the survivors until the group's time
 issued asynchronously and waited on in short slices (``Work.wait(timeout)`` gives up without touching the
 operation): the wait ends as soon as the work completes *or* the member's roster watch reports a newer
 generation. The waiting thread sleeps in gloo's own condition variable, so a completed operation wakes it
-directly, with no helper thread to hand over to (a handover costs a scheduling round per operation, which
-shows in the step time when workers outnumber cores). The stuck group is abandoned; its own timeout
-fires later, harmlessly, as a backstop.
+directly, with no helper thread or Python callback in between (gloo send/recv are the exception: see
+:meth:`Transport.wait`). The stuck group is abandoned; its own timeout fires later, harmlessly, as a
+backstop.
 """
 
 from __future__ import annotations
