@@ -36,6 +36,9 @@ TRAIN_SCRIPT = BENCH_DIR / "bench_train.py"
 DOC = REPO / "docs" / "benchmarks.md"
 SMOKE_DOC = BENCH_DIR / "out" / "benchmarks-smoke.md"
 _PR_SET_CHILD_SUBREAPER = 36
+# Steady-state step times run this many ranks, each pinned to one core (bench scripts' --pin): one per
+# core on this 2-core machine, as one process per GPU on a cluster.
+STEADY_RANKS = 2
 T = TypeVar("T")
 
 

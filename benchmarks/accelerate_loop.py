@@ -19,6 +19,7 @@ from pathlib import Path
 
 from _harness import (
     BENCH_DIR,
+    STEADY_RANKS,
     RunFailed,
     bench_args,
     command_line,
@@ -39,7 +40,6 @@ from regain import KILL_RANK, measure
 
 SCRIPT = BENCH_DIR / "bench_accelerate.py"
 PROTECTED, PLAIN = "torchpass", "plain"
-STEADY_RANKS = 2  # step time: one rank per core, each pinned (see overhead.py)
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from _harness import (
+    STEADY_RANKS,
     MLPSize,
     RunFailed,
     bench_args,
@@ -38,7 +39,6 @@ from _harness import (
 )
 
 RANKS, KILL_RANK = 3, 1  # the recovery's active ranks
-STEADY_RANKS = 2  # the overhead's: one per core, each pinned (see overhead.py)
 
 
 @dataclass(frozen=True)
@@ -118,7 +118,7 @@ def render(size: Size, times: dict[int, list[float]], recoveries: list[Recovery]
         f"- Setup: FSDP2 (each `nn.Linear` one unit) over gloo; MLP {size.features} -> {size.hidden}x{size.depth} "
         f"-> {size.classes} ({size.params:,} parameters), batch {size.batch_size} per rank, AdamW. Step time: "
         f"{STEADY_RANKS} ranks, each pinned to one core, median of rank 0's step-to-step deltas after "
-        f"{size.warmup} warmup steps; runs alternate replication every step / off.",
+        f"{size.warmup} warmup steps; runs alternate between the replication settings.",
         "",
         "| Replication | Runs | Median step (ms) | Min-max of run medians (ms) |",
         "|---|---|---|---|",

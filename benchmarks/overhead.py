@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from _harness import (
+    STEADY_RANKS,
     MLPSize,
     RunFailed,
     attempt,
@@ -154,7 +155,8 @@ def render(sizes: list[Size], pairs: list[str], ranks: int, results: list[Result
 
 def main(argv: list[str] | None = None) -> int:
     def extra(p) -> None:
-        p.add_argument("--ranks", type=int, default=2, help="ranks per run (more than cores oversubscribes)")
+        p.add_argument("--ranks", type=int, default=STEADY_RANKS,
+                       help="ranks per run (more than cores oversubscribes)")
         p.add_argument("--models", default="small,~105M", help="comma-separated: small, ~105M (smoke: tiny)")
         p.add_argument("--pairs", default="ddp,fsdp", help="comma-separated: ddp, fsdp")
 
@@ -163,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     known = {s.name: s for s in (SMALL, LARGE)}
     sizes = [SMOKE] if args.smoke else [known[m] for m in args.models.split(",")]
     pairs = args.pairs.split(",")
-    section = "overhead" if args.ranks == 2 else f"overhead-{args.ranks}ranks"
+    section = "overhead" if args.ranks == STEADY_RANKS else f"overhead-{args.ranks}ranks"
     info = machine()
     work_root = fresh_work_root(section, args.smoke)
     results: list[Result] = []
