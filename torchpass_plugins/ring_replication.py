@@ -2,14 +2,22 @@
 
 With fully sharded training no survivor holds a lost rank's parameters, so they must already be
 elsewhere when it dies. Every ``every`` steps, at a step boundary, each rank packs its shard state (local
-parameter shards and optimizer state) and a background thread sends it to its ring successor over a side
-gloo group while receiving its predecessor's; training goes on meanwhile (the copy is made in that
-thread too). A round must be complete
-before the step's first gradient reduction (:meth:`fence`), so a failure after that point always finds
-the boundary's shards replicated. Each rank keeps its own last two packed snapshots (to roll back in
-memory) and the last two complete replicas it received (double buffering: a round in flight never
-overwrites the one a recovery may need). A round packs into, and receives into, the buffers of the
-oldest snapshot and replica, which it retires first, so steady state allocates nothing.
+parameter shards and optimizer state) in a background thread and replicates it to its ring successor
+while receiving its predecessor's; training goes on meanwhile. A round must be complete before the step's
+first gradient reduction (:meth:`fence`), so a failure after that point always finds the boundary's shards
+replicated. Each rank keeps its own last two packed snapshots (to roll back in memory) and the last two
+complete replicas it received (double buffering: a round in flight never overwrites the one a recovery
+may need).
+
+A rank packs into segments of its own memory that a successor on the same host maps
+(:mod:`peer_memory`): then a round sends only a header over the side group, and the replica is the
+predecessor's packed snapshot itself, alive in the successor's mapping even after the predecessor dies. A
+successor on another host (or one that cannot map it) receives the bytes over the side group instead;
+the first round of each generation settles which. Round n rewrites the segment of round n - 3 (the
+least recently written of ``KEEP + 1``), which the successor no longer lists: it dropped that replica in
+its round n - 1, which it fenced before that step's gradient reduction (or, for a step without one,
+before the next boundary's all-reduce), a collective this rank took part in before round n began.
+Steady state allocates nothing.
 """
 
 from __future__ import annotations
@@ -21,6 +29,7 @@ from typing import Any
 import torch
 
 from torchpass_plugins import faults
+from torchpass_plugins.peer_memory import Segment, SegmentId, map_peer
 from torchpass_plugins.state_transfer import pack
 from torchpass_plugins.transport import PeerFailure, Transport
 
@@ -34,6 +43,7 @@ class Packed:
     meta: torch.Tensor
     payload: torch.Tensor
     host: Any = None  # loop progress and scheduler state of the same boundary (never sent)
+    mapped: bool = False  # ``payload`` is the predecessor's own segment (this process never writes it)
 
     @property
     def nbytes(self) -> int:
@@ -44,8 +54,12 @@ class Packed:
 class RingReplicator:
     side: Transport
     every: int
+    share_memory: bool = True  # a same-host successor maps this rank's snapshots instead of receiving them
     own: dict[int, Packed] = field(default_factory=dict)
     replicas: dict[int, Packed] = field(default_factory=dict)  # of the ring predecessor, by step
+    _segments: list[Segment] = field(default_factory=list)  # own payload buffers, least recently written first
+    _succ_maps: bool | None = None  # does the successor map this rank's segments (None: not settled yet)
+    _pred_mapped: bool | None = None  # does this rank map the predecessor's
     _thread: threading.Thread | None = None
     _error: str | None = None
     _crash: Exception | None = None
@@ -57,6 +71,7 @@ class RingReplicator:
         """After a recovery: the ring has a new member and nothing older than the restored step matters."""
         self.own.clear()
         self.replicas.clear()
+        self._succ_maps = self._pred_mapped = None
         self._thread, self._error = None, None
 
     def start_round(self, step: int, shard_state: Any, host: Any) -> None:
@@ -74,7 +89,8 @@ class RingReplicator:
 
     def _round(self, step: int, shard_state: Any, host: Any) -> None:
         try:
-            mine = Packed(*pack(shard_state, into=_retire_oldest(self.own)), host)
+            _retire_oldest(self.own)
+            mine = Packed(*pack(shard_state, alloc=self._segment), host)
             self.own[step] = mine
             faults.point("replicate")
             self._exchange(step, mine)
@@ -93,7 +109,30 @@ class RingReplicator:
             raise PeerFailure(f"shard replication: {error}")
 
     def host_bytes(self) -> int:
-        return sum(p.nbytes for p in self.own.values()) + sum(p.nbytes for p in self.replicas.values())
+        """What this rank's replication holds: its segments and the replicas it received (not mapped)."""
+        return (sum(s.nbytes for s in self._segments) + sum(p.meta.numel() for p in self.own.values())
+                + sum(p.meta.numel() if p.mapped else p.nbytes for p in self.replicas.values()))
+
+    def _segment(self, nbytes: int) -> torch.Tensor:
+        """A buffer for this round's snapshot: the least recently written segment that holds none of the
+        kept snapshots, once there are ``KEEP + 1`` of them (``KEEP`` if the successor does not map them)."""
+        if nbytes == 0:
+            return torch.empty(0, dtype=torch.uint8)
+        kept = {p.payload.data_ptr() for p in self.own.values() if p.payload.numel()}
+        free = [s for s in self._segments if s.tensor.data_ptr() not in kept]
+        limit = KEEP if self._succ_maps is False or not self.share_memory else KEEP + 1
+        chosen = None
+        while free and len(self._segments) >= limit:
+            if chosen is not None:
+                chosen.close()
+            chosen = free.pop(0)
+            self._segments.remove(chosen)
+        if chosen is None or chosen.nbytes != nbytes:
+            if chosen is not None:
+                chosen.close()
+            chosen = Segment(nbytes)
+        self._segments.append(chosen)
+        return chosen.tensor
 
     def _exchange(self, step: int, mine: Packed) -> None:
         side = self.side
@@ -101,28 +140,49 @@ class RingReplicator:
         try:
             if side.stale() or side.pg is None:
                 raise PeerFailure("newer roster")
-            header = torch.tensor([step, mine.meta.numel(), mine.payload.numel()], dtype=torch.int64)
-            theirs = torch.empty(3, dtype=torch.int64)
+            where = self._segments[-1].id.to_list() if mine.payload.numel() else [-1] * 4  # just written
+            header = torch.tensor([step, mine.meta.numel(), mine.payload.numel(), *where], dtype=torch.int64)
+            theirs = torch.empty_like(header)
             side.wait_all([side.pg.send([header], succ, 0), side.pg.recv([theirs], pred, 0)], "replication header")
-            got_step, meta_n, payload_n = theirs.tolist()
+            got_step, meta_n, payload_n, *at = theirs.tolist()
+            retired = _retire_oldest(self.replicas)
+            mapped = self._map(SegmentId(*at), payload_n)
+            if self._succ_maps is None or self._pred_mapped is None:  # this generation's first round
+                self._pred_mapped = mapped is not None
+                answer, reply = torch.tensor([int(self._pred_mapped)]), torch.empty(1, dtype=torch.int64)
+                handshake = [side.pg.send([answer], pred, 3), side.pg.recv([reply], succ, 3)]
+                side.wait_all(handshake, "replication handshake")
+                self._succ_maps = bool(reply.item())
             meta = torch.empty(meta_n, dtype=torch.uint8)
-            payload = _retire_oldest(self.replicas)
-            if payload is None or payload.numel() != payload_n:
-                payload = torch.empty(payload_n, dtype=torch.uint8)
             works = [side.pg.send([mine.meta], succ, 1), side.pg.recv([meta], pred, 1)]
-            if mine.payload.numel():
+            if mine.payload.numel() and not self._succ_maps:
                 works.append(side.pg.send([mine.payload], succ, 2))
-            if payload_n:
-                works.append(side.pg.recv([payload], pred, 2))
+            payload = mapped
+            if payload is None:
+                reusable = retired is not None and not retired.mapped and retired.payload.numel() == payload_n
+                payload = retired.payload if reusable else torch.empty(payload_n, dtype=torch.uint8)
+                if payload_n:
+                    works.append(side.pg.recv([payload], pred, 2))
             side.wait_all(works, "replication send/recv")
-            self.replicas[got_step] = Packed(meta, payload)
+            self.replicas[got_step] = Packed(meta, payload, mapped=mapped is not None)
         except PeerFailure as exc:
             self._error = str(exc)
 
+    def _map(self, segment: SegmentId, nbytes: int) -> torch.Tensor | None:
+        """The predecessor's segment mapped here, or ``None`` where it travels over the side group."""
+        if not self.share_memory or self._pred_mapped is False or segment.pid < 0:
+            return None
+        try:
+            return map_peer(segment, nbytes)
+        except OSError:
+            if self._pred_mapped:  # settled this generation: the predecessor will not send the bytes
+                raise
+            return None
 
-def _retire_oldest(packs: dict[int, Packed]) -> torch.Tensor | None:
-    """Make room for one more round (``KEEP`` at most) and return the payload buffer of the round retired."""
-    payload = None
+
+def _retire_oldest(packs: dict[int, Packed]) -> Packed | None:
+    """Make room for one more round (``KEEP`` at most) and return the last one retired."""
+    retired = None
     for step in sorted(packs)[: max(0, len(packs) - KEEP + 1)]:
-        payload = packs.pop(step).payload
-    return payload
+        retired = packs.pop(step)
+    return retired

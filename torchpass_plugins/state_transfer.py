@@ -19,7 +19,7 @@ size from what was sent before it posts a receive.
 from __future__ import annotations
 
 import pickle
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -134,11 +134,11 @@ def _rebuild(skeleton: Any, tensors: list[torch.Tensor]) -> Any:
     return map_leaves(skeleton, tensor)
 
 
-def pack(state: Any, into: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Return (structure as uint8 pickle, all tensor bytes as one uint8 buffer); the bytes go into ``into``
-    when it has exactly their size (a buffer reused across rounds costs no fresh pages)."""
+def pack(state: Any, alloc: Callable[[int], torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Return (structure as uint8 pickle, all tensor bytes as one uint8 buffer); ``alloc(nbytes)`` provides
+    that buffer (ring replication reuses its own across rounds: no fresh pages, memory a peer maps)."""
     skeleton, tensors, size = _strip(state)
-    payload = into if into is not None and into.numel() == size else torch.empty(size, dtype=torch.uint8)
+    payload = alloc(size) if alloc is not None else torch.empty(size, dtype=torch.uint8)
     for r, flat in tensors:
         payload[r.offset : r.offset + r.nbytes].copy_(flat)
     return _meta(_Layout(skeleton, size, _segments([r for r, _ in tensors]))), payload

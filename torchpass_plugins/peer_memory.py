@@ -1,0 +1,67 @@
+"""Memory that another process on the same host maps: how a ring replica skips the network.
+
+A segment is an anonymous memory file (``memfd``) of the process that writes it; a peer on the same host
+and in the same PID namespace opens it through ``/proc/<pid>/fd/<fd>`` and maps it, so what the writer
+puts there is in the peer's memory without a copy through a socket. A mapping keeps the memory alive after
+the writer dies, which is what lets a ring successor hold the shard of a predecessor that was SIGKILLed;
+and since no file is named anywhere, nothing is left behind once the last mapping goes.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+from dataclasses import astuple, dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SegmentId:
+    """Where a peer finds a segment, and the identity (device, inode) it checks that it found it."""
+
+    pid: int
+    fd: int
+    dev: int
+    ino: int
+
+    def to_list(self) -> list[int]:
+        return list(astuple(self))
+
+
+class Segment:
+    """``nbytes`` of this process's memory that a same-host peer can map."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.fd = os.memfd_create("torchpass-replica", os.MFD_CLOEXEC)
+        os.ftruncate(self.fd, nbytes)
+        st = os.fstat(self.fd)
+        self.id = SegmentId(os.getpid(), self.fd, st.st_dev, st.st_ino)
+        self.tensor = _map(self.fd, nbytes)
+
+    @property
+    def nbytes(self) -> int:
+        return self.tensor.numel()
+
+    def close(self) -> None:
+        """No peer can map it from now on; existing mappings (``tensor`` too) stay valid."""
+        os.close(self.fd)
+
+
+def map_peer(segment: SegmentId, nbytes: int) -> torch.Tensor:
+    """A peer's segment as a uint8 tensor; ``OSError`` if this process cannot reach that very segment
+    (another host or PID namespace, or the segment was replaced)."""
+    fd = os.open(f"/proc/{segment.pid}/fd/{segment.fd}", os.O_RDWR)
+    try:
+        st = os.fstat(fd)
+        if (st.st_dev, st.st_ino, st.st_size) != (segment.dev, segment.ino, nbytes):
+            raise OSError(f"/proc/{segment.pid}/fd/{segment.fd} is not the segment announced")
+        return _map(fd, nbytes)
+    finally:
+        os.close(fd)
+
+
+def _map(fd: int, nbytes: int) -> torch.Tensor:
+    if nbytes == 0:
+        return torch.empty(0, dtype=torch.uint8)
+    return torch.frombuffer(mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED), dtype=torch.uint8)
