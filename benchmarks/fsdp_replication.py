@@ -146,8 +146,9 @@ def render(size: Size, times: dict[int, list[float]], recoveries: list[Recovery]
             f"| {med['rolled_back']:.0f} | {med['replica_memory_bytes']:,.0f} |",
             "",
             "Recovery: the longest `recovered` event (new roster -> every rank restored). Regain: from the agent's "
-            "record of the exit until every rank has completed the step in flight. Host memory: two own packed "
-            "snapshots and two replicas of the predecessor's shard (double buffering).",
+            "record of the exit until every rank has completed the step in flight. Host memory: the rank's three "
+            "segments of packed snapshots (two kept, one being written); its successor on the same host maps them, "
+            "so the replica it holds costs nothing more (across hosts: two own snapshots and two received replicas).",
         ]
     return "\n".join(lines)
 

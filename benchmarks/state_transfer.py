@@ -4,15 +4,17 @@ What a recovery moves is a training state (parameters plus AdamW moments, a few 
 survivor to the spare, over the generation's gloo group. *torchpass* is exactly that code path:
 ``send_state`` / ``recv_state`` (``torchpass_plugins/state_transfer.py``) over a real ``Transport`` (the
 real ``Member`` connected to a store, the real group rendezvous, the real waits), so the time includes
-the structure message, the copy of the small tensors into one message, and the spare allocating every
-tensor it receives into. *raw* is one ``ProcessGroupGloo.send`` / ``recv`` of a preallocated buffer of the
-same byte count: the wire speed any mechanism over gloo could reach at best (the target's reference).
-*raw-fresh* is the same, but the receiver allocates the buffer for each transfer, as any receiver of a
-state it did not hold must: it shows what first-touching new memory costs apart from torchpass's own work.
+the structure message and the copy of the small tensors into one message; the spare receives the large
+tensors into a ``Landing`` it prepared (untimed) from the shapes the donor announced, as a waiting spare
+does. *torchpass-fresh* is the same without a landing: every tensor allocated as its size arrives (a
+spare promoted before it could prepare one). *raw* is one ``ProcessGroupGloo.send`` / ``recv`` of a
+preallocated buffer of the same byte count: the wire speed any mechanism over gloo could reach at best
+(the target's reference). *raw-fresh* is the same, but the receiver allocates the buffer for each
+transfer: it shows what first-touching new memory costs apart from torchpass's own work.
 
 Two processes (donor rank 0, spare rank 1) on 127.0.0.1 (``GLOO_SOCKET_IFNAME=lo``), each with one
 intra-op thread. Per size, one untimed transfer of each kind warms the connections; then each repetition
-times the three kinds, each going first in turn. A transfer is timed on the receiver, from a barrier both
+times the four kinds, each going first in turn. A transfer is timed on the receiver, from a barrier both
 ranks leave together until the bytes (raw) or the rebuilt state (torchpass) are there.
 
 Run ``python benchmarks/state_transfer.py`` (full: 10 MB, 100 MB, 1 GB, 5 repetitions) or ``--smoke``.
@@ -49,8 +51,8 @@ from _harness import (
     worker_env,
 )
 
-TORCHPASS, RAW, FRESH = "torchpass", "raw", "raw-fresh"
-KINDS = (RAW, FRESH, TORCHPASS)
+TORCHPASS, TORCHPASS_FRESH, RAW, FRESH = "torchpass", "torchpass-fresh", "raw", "raw-fresh"
+KINDS = (RAW, FRESH, TORCHPASS, TORCHPASS_FRESH)
 TENSOR_BYTES = 4_000_000  # the size of one parameter tensor (1M float32), like a mid-sized layer
 TARGET = 0.80
 
@@ -106,7 +108,7 @@ def worker(rank: int, store: str, plan: Plan, out: Path) -> None:
     import torch.distributed as dist
 
     from torchpass_plugins.membership import Member, WorkerEnv
-    from torchpass_plugins.state_transfer import pack, recv_state, send_state, unpack
+    from torchpass_plugins.state_transfer import Landing, pack, recv_state, send_state, unpack
     from torchpass_plugins.transport import Transport
 
     ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: never outlive the driver
@@ -129,10 +131,16 @@ def worker(rank: int, store: str, plan: Plan, out: Path) -> None:
         count = torch.tensor([nbytes], dtype=torch.int64)
         raw_pg.broadcast([count], dist.BroadcastOptions()).wait()  # rank 1 learns the byte count
         nbytes = int(count[0])
+        key = f"landing/{size}"  # the shapes a waiting spare prepares a landing for, as rank 0 announces them
+        if rank == 0:
+            member.store.set(key, Landing.describe(state))
+        announced = member.store.get(key)
         buf = torch.empty(nbytes, dtype=torch.uint8)
         buf.fill_(1)  # touch every page before timing: the raw contender gets a warm buffer
 
-        def once(kind: str, buf: torch.Tensor = buf, state: Any = state) -> tuple[float, int, Any]:
+        def once(kind: str, buf: torch.Tensor = buf, state: Any = state, announced: bytes = announced,
+                 ) -> tuple[float, int, Any]:
+            landing = Landing.from_description(announced) if kind == TORCHPASS and rank == 1 else None  # untimed
             sync()
             t0 = time.perf_counter()
             got: Any = None
@@ -146,7 +154,7 @@ def worker(rank: int, store: str, plan: Plan, out: Path) -> None:
             elif rank == 0:
                 moved = send_state(transport, state, 1)
             else:
-                got, moved = recv_state(transport, 0)
+                got, moved = recv_state(transport, 0, landing)
             return time.perf_counter() - t0, moved, got
 
         _, _, got = once(TORCHPASS)  # warm-up, and the one check that the state arrived intact
@@ -156,10 +164,10 @@ def worker(rank: int, store: str, plan: Plan, out: Path) -> None:
         raw_pg.broadcast([theirs], dist.BroadcastOptions()).wait()
         if rank == 1 and not math.isclose(float(ok[0]), float(theirs[0]), rel_tol=1e-12):
             raise RuntimeError(f"state of {size} bytes arrived altered: checksum {float(ok[0])} != {float(theirs[0])}")
-        once(RAW)
-        once(FRESH)
+        for kind in (RAW, FRESH, TORCHPASS_FRESH):
+            once(kind)
         for rep in range(plan.reps):
-            for kind in KINDS[rep % 3 :] + KINDS[: rep % 3]:  # each kind goes first in turn
+            for kind in KINDS[rep % len(KINDS) :] + KINDS[: rep % len(KINDS)]:  # each kind goes first in turn
                 seconds, moved, got = once(kind)
                 del got
                 if rank == 1:
@@ -231,9 +239,11 @@ def summary(rows: list[dict[str, Any]], plan: Plan) -> list[dict[str, Any]]:
         out.append({
             "size": size, "bytes": nbytes, "torchpass_bytes": t[TORCHPASS][0]["bytes"],
             "raw_s": med[RAW], "fresh_s": med[FRESH], "torchpass_s": med[TORCHPASS],
+            "torchpass_fresh_s": med[TORCHPASS_FRESH],
             "raw_gbps": nbytes / med[RAW][0] / 1e9, "fresh_gbps": nbytes / med[FRESH][0] / 1e9,
             "torchpass_gbps": nbytes / med[TORCHPASS][0] / 1e9,
-            "ratio": med[RAW][0] / med[TORCHPASS][0], "ratio_fresh": med[FRESH][0] / med[TORCHPASS][0],
+            "torchpass_fresh_gbps": nbytes / med[TORCHPASS_FRESH][0] / 1e9,
+            "ratio": med[RAW][0] / med[TORCHPASS][0], "ratio_fresh": med[FRESH][0] / med[TORCHPASS_FRESH][0],
             "pair_ratios": pairs,
             "pack_s": summarize(r["pack_s"] for r in copies)[0],
             "unpack_s": summarize(r["unpack_s"] for r in copies)[0],
@@ -252,26 +262,30 @@ def render(plan: Plan, table: list[dict[str, Any]], smoke: bool, info: dict[str,
         "step counter per parameter, param groups and loop counters, nested like a Lightning checkpoint.",
         "- torchpass: `send_state` / `recv_state` over a real `Transport` (a `Member` on a store, the group's "
         "rendezvous, its waits): a first message with the sizes and the structure, then every large tensor sent "
-        "in place (pieces of at most 8 MiB) and received straight into a tensor the spare allocates for it, the "
-        "small ones coalesced into one message, all messages posted at once (no copy of the large tensors on "
-        "either side). "
+        "in place (pieces of at most 8 MiB) and received straight into its final tensor, the small ones coalesced "
+        "into one message, all messages posted at once (no copy of the large tensors on either side). The spare "
+        "receives into a `Landing`: the large tensors the donor announced (shapes and dtypes, as rank 0 announces "
+        "them in the store after the first step), allocated and touched before the timed transfer, as a spare "
+        "does while it waits. torchpass, fresh: no landing (a spare promoted before it could prepare one), every "
+        "tensor allocated when its size arrives. "
         "Raw: one `ProcessGroupGloo.send`/`recv` of a preallocated, already touched buffer of the tensor bytes (the "
         "reference of the target); raw, fresh: the same into a buffer the spare allocates for each transfer.",
         f"- Timed on the spare, from a shared barrier until the state (or the bytes) is there; {plan.reps} "
-        "repetitions per size after one warm-up transfer of each kind, the three kinds going first in turn. "
+        f"repetitions per size after one warm-up transfer of each kind, the {len(KINDS)} kinds going first in turn. "
         "Throughput = tensor bytes / median time. Pack / unpack: `pack` / `unpack` of the same state timed alone "
         "on the donor (the copies of ring replication's packed snapshots; the transfer above makes neither).",
         "",
-        "| State | Raw (s) | Raw GB/s | Raw, fresh GB/s | torchpass (s) | torchpass GB/s | torchpass / raw | "
-        "Per repetition | torchpass / raw, fresh | Pack (s) | Unpack (s) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| State | Raw (s) | Raw GB/s | torchpass (s) | torchpass GB/s | torchpass / raw | Per repetition | "
+        "Raw, fresh GB/s | torchpass, fresh GB/s | torchpass, fresh / raw, fresh | Pack (s) | Unpack (s) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in table:
         pr = r["pair_ratios"]
         spread = f"{min(pr):.2f}-{max(pr):.2f}" if pr else "-"
-        lines.append(f"| {_mb(r['bytes'])} | {r['raw_s'][0]:.4f} | {r['raw_gbps']:.2f} | {r['fresh_gbps']:.2f} | "
-                     f"{r['torchpass_s'][0]:.4f} | {r['torchpass_gbps']:.2f} | {r['ratio']:.2f} | {spread} | "
-                     f"{r['ratio_fresh']:.2f} | {r['pack_s']:.4f} | {r['unpack_s']:.4f} |")
+        lines.append(f"| {_mb(r['bytes'])} | {r['raw_s'][0]:.4f} | {r['raw_gbps']:.2f} | {r['torchpass_s'][0]:.4f} | "
+                     f"{r['torchpass_gbps']:.2f} | {r['ratio']:.2f} | {spread} | {r['fresh_gbps']:.2f} | "
+                     f"{r['torchpass_fresh_gbps']:.2f} | {r['ratio_fresh']:.2f} | {r['pack_s']:.4f} | "
+                     f"{r['unpack_s']:.4f} |")
     worst = min(r["ratio"] for r in table)
     met = "met" if worst >= TARGET else "not met"
     lines += ["", f"**torchpass / raw throughput: {worst:.2f} at worst** (target >= {TARGET:.2f}: {met}).", "",

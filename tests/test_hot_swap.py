@@ -26,17 +26,21 @@ def recovered_ranks(job) -> set[int]:
 
 
 def test_sigkill_of_a_nonzero_rank_from_outside(tmp_path, reference):
-    job = start(tmp_path, train_args=(*TRAIN, "--sleep-per-step", "0.1"))
+    wide = ("--hidden", "256")  # a hidden weight of 256 KiB: large enough to travel in place, and to land
+    job = start(tmp_path, train_args=(*TRAIN, *wide, "--sleep-per-step", "0.1"))
     try:
         job.wait_until(lambda: len(job.applied(1)) >= 6, "rank 1 to reach step 6")
         os.kill(job.pid_of_rank(1), signal.SIGKILL)
         codes = job.wait()
     finally:
         job.kill()
-    assert_bit_exact(job, codes, reference())
+    assert_bit_exact(job, codes, reference(3, wide))
     assert [e["promoted"] for e in job.events("roster_published")][1] == {"n0-s3-i0": 1}
-    assert len(job.events("state_received")) == 1
+    [received] = job.events("state_received")
     assert recovered_ranks(job) == {0, 1, 2}
+    # While it waited, the spare allocated the state's large tensors announced by rank 0, and received into them.
+    landing = next(e for e in job.events("landing_prepared") if e["source"] == "n0-s3-i0")
+    assert 0 < landing["bytes"] <= received["bytes"] and landing["time"] < received["time"]
 
 
 @pytest.mark.parametrize(

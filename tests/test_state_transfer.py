@@ -9,7 +9,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from torchpass_plugins.state_transfer import pack, recv_state, send_state, unpack
+from torchpass_plugins.state_transfer import Landing, pack, recv_state, send_state, unpack
 
 
 class _Pair:
@@ -74,16 +74,34 @@ def test_pack_unpack_roundtrip():
     _assert_same(unpack(*pack(state)), state)
 
 
-def test_send_and_receive_over_gloo():
-    pair, state, got = _Pair(), _state(), {}
+def _transfer(state: dict, landing: Landing | None = None) -> tuple[dict, int, int]:
+    """(state received, bytes received, bytes sent) over a real gloo pair."""
+    pair, got = _Pair(), {}
 
     def receive() -> None:
-        got["state"], got["bytes"] = recv_state(_Transport(pair.groups[1]), 0)
+        got["state"], got["bytes"] = recv_state(_Transport(pair.groups[1]), 0, landing)
 
     t = threading.Thread(target=receive)
     t.start()
     sent = send_state(_Transport(pair.groups[0]), state, 1)
     t.join(timeout=30)
     assert not t.is_alive()
-    assert got["bytes"] == sent > 0
-    _assert_same(got["state"], state)
+    return got["state"], got["bytes"], sent
+
+
+def test_send_and_receive_over_gloo():
+    state = _state()
+    received, nbytes, sent = _transfer(state)
+    assert nbytes == sent > 0
+    _assert_same(received, state)
+
+
+def test_large_tensors_land_in_the_tensors_prepared_for_them():
+    state = {"w": torch.randn(300, 1000), "m": [torch.randn(300, 1000), torch.randn(70_000)], "b": torch.randn(5)}
+    announced = Landing.describe({"w": state["w"], "m": state["m"]})  # the small one is never announced
+    landing = Landing.from_description(announced)
+    assert landing.nbytes == 2 * 300_000 * 4 + 70_000 * 4
+    extra = torch.randn(64, 4096)  # not announced: received into fresh memory
+    received, _, _ = _transfer({**state, "extra": extra}, landing)
+    _assert_same(received, {**state, "extra": extra})
+    assert landing.nbytes == 0  # every prepared tensor was received into

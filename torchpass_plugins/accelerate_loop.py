@@ -43,6 +43,7 @@ from torchpass_plugins.errors import ConfigError
 from torchpass_plugins.grad_buckets import GradientBuckets
 from torchpass_plugins.membership import WorkerEnv
 from torchpass_plugins.runtime import Runtime
+from torchpass_plugins.tree import tensors_in
 
 log = logging.getLogger(__name__)
 
@@ -257,6 +258,9 @@ class TorchPass:
         if self.accelerator.scaler is not None:
             state["scaler"] = self.accelerator.scaler.state_dict()
         return state
+
+    def state_tensors(self) -> list[torch.Tensor]:
+        return tensors_in([obj.state_dict() for obj in self._objects.values()]) if self._tracked else []
 
     def load_state(self, state: dict[str, Any]) -> None:
         self.applied = state["applied"]

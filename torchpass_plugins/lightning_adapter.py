@@ -8,9 +8,12 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 from lightning.pytorch.utilities.data import _update_dataloader
+from torch import Tensor
+from torch.distributed.tensor import DTensor
 
 from torchpass_plugins import faults
 from torchpass_plugins.sampler import ResumeSampler
+from torchpass_plugins.tree import tensors_in
 
 if TYPE_CHECKING:
     from torchpass_plugins.strategies.ddp import TorchPassDDPStrategy
@@ -44,6 +47,14 @@ class LightningAdapter:
         if snapshot is not None:
             checkpoint["loops"]["fit_loop"] = snapshot
         return checkpoint
+
+    def state_tensors(self) -> list[Tensor]:
+        """Weights and optimizer state, read without ``dump_checkpoint`` (which runs the user's hooks); none
+        for sharded parameters, whose spare receives a shard from its ring successor instead."""
+        params = list(self.strategy.lightning_module.state_dict().values())
+        if any(isinstance(p, DTensor) for p in params):
+            return []
+        return tensors_in([params, [list(s.values()) for o in self.strategy.optimizers for s in o.state.values()]])
 
     def load_state(self, checkpoint: Any) -> None:
         # ``fit(ckpt_path=None)`` leaves this in place, so Lightning restores model, optimizers,

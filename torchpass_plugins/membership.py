@@ -14,6 +14,7 @@ import signal
 import socket
 import sys
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -79,6 +80,9 @@ DRAIN_KEY = "drain"
 # Set by a rank that passed the barrier ending ``fit``: from then on every rank has finished training, so a
 # worker lost afterwards (in the script's code after ``fit``, or at exit) is not replaced.
 TRAINED_KEY = "trained"
+# The shapes and dtypes of the state's large tensors (``Landing.describe``), set once by rank 0 after the first
+# optimizer step: a waiting spare allocates and touches them while it idles, and receives into them.
+LANDING_KEY = "landing"
 
 
 def evict_key(worker_id: str) -> str:
@@ -265,11 +269,13 @@ class Member:
         self.store.add(heartbeat_key(self.env.worker_id), 1)  # from now on the agent's hang check applies
         self._start(self._beat, "torchpass-heartbeat")
 
-    def wait_assignment(self) -> dict:
-        """Block until the coordinator assigns this worker a logical rank (spares wait here). A worker
-        that registers after the job ended (a refill started just before the end) is told to exit."""
+    def wait_assignment(self, idle: Callable[[], None] = lambda: None) -> dict:
+        """Block until the coordinator assigns this worker a logical rank (spares wait here), calling
+        ``idle`` between looks. A worker that registers after the job ended (a refill started just before
+        the end) is told to exit."""
         key = assign_key(self.env.worker_id)
         while not self.store.check([key]):
+            idle()
             if self.store.check([DONE_KEY]):
                 return {"exit": self.store.get(DONE_KEY).decode()}
             if self._stop.wait(_POLL_S):

@@ -30,6 +30,7 @@ from torchpass_plugins.events import EventLog
 from torchpass_plugins.grad_buckets import GradientBuckets
 from torchpass_plugins.membership import (
     INBOX,
+    LANDING_KEY,
     TRAINED_KEY,
     JobAborted,
     JoinRejected,
@@ -38,7 +39,7 @@ from torchpass_plugins.membership import (
     WorkerEnv,
     reached_key,
 )
-from torchpass_plugins.state_transfer import recv_state, send_state
+from torchpass_plugins.state_transfer import Landing, recv_state, send_state
 from torchpass_plugins.stragglers import StepTimer, stragglers
 from torchpass_plugins.transport import PeerFailure, Transport
 
@@ -69,6 +70,10 @@ class Adapter(Protocol):
 
     def load_state(self, state: Any) -> None:
         """Spare side: adopt ``state`` received from the donor."""
+
+    def state_tensors(self) -> list[torch.Tensor]:
+        """The large tensors of ``boundary_state`` (weights, optimizer state) without building it: what a
+        spare prepares a :class:`Landing` for (empty where no full state is handed over)."""
 
 
 @dataclass(frozen=True)
@@ -161,6 +166,8 @@ class Runtime:
         # run before the live training state is overwritten in memory (a rollback): e.g. a snapshot's
         # background copy of that state must finish first
         self.rollback_hooks: list[Callable[[], object]] = []
+        self.landing: Landing | None = None  # a spare's, prepared while it waits
+        self._landing_announced = False
 
     @property
     def seed(self) -> int:
@@ -181,7 +188,7 @@ class Runtime:
     def join(self) -> None:
         """Register and wait for a logical rank; spares block here until promoted or released."""
         self.member.join()
-        assignment = self.member.wait_assignment()
+        assignment = self.member.wait_assignment(idle=self._prepare_landing)
         if "exit" in assignment:
             self.member.close()
             raise SpareReleased(0)
@@ -197,6 +204,26 @@ class Runtime:
                 self.transport.connect(gen, rank)
             except PeerFailure:
                 pass  # a failure before the first step: the first collective recovers
+
+    def _prepare_landing(self) -> None:
+        """While waiting as a spare: once rank 0 announced the state's shapes, allocate and touch them."""
+        if self.landing is not None or not self.member.store.check([LANDING_KEY]):
+            return
+        t0 = time.perf_counter()
+        try:
+            self.landing = Landing.from_description(self.member.store.get(LANDING_KEY))
+        except (RuntimeError, MemoryError) as exc:  # no room: receive into fresh memory when promoted
+            self.landing = Landing(())
+            self.events.emit("landing_skipped", why=str(exc))
+            return
+        self.events.emit("landing_prepared", bytes=self.landing.nbytes, seconds=time.perf_counter() - t0)
+
+    def _announce_landing(self) -> None:
+        """Once, at the first boundary after an optimizer step (its state exists now): the state's shapes."""
+        self._landing_announced = True
+        tensors = self.adapter.state_tensors()
+        if tensors:
+            self.member.store.set(LANDING_KEY, Landing.describe(tensors))
 
     def enter_as_spare(self) -> None:
         """Spare side of a recovery: join the group and receive the state (called once ``adapter`` is set)."""
@@ -269,6 +296,8 @@ class Runtime:
         faults.at(self.rank, step)
         faults.point("boundary")
         self.boundary_record = self.adapter.boundary_snapshot()
+        if step >= 1 and self.rank == 0 and not self._landing_announced:
+            self._announce_landing()
         while self._pending and self._pending[0] == step:
             spares, self._pending = self._pending[1], None
             try:
@@ -361,7 +390,8 @@ class Runtime:
         if self.is_spare:
             faults.point("promoted")
             t0 = time.perf_counter()
-            state, nbytes = recv_state(self.transport, a.donor)
+            state, nbytes = recv_state(self.transport, a.donor, self.landing)
+            self.landing = None
             self.events.emit(
                 "state_received", rank=self.rank, src=a.donor, bytes=nbytes, seconds=time.perf_counter() - t0
             )

@@ -9,7 +9,9 @@ structure (which lists the segments); the sender posts it and all segments at on
 back to back. The receiver allocates each large tensor in its final form and receives straight into it
 (posting every receive at once too), and copies the small ones out of their run's buffer: what it hands
 out are ordinary, separate tensors. Gloo aborts a process on a size mismatch, so the receiver learns every
-size from what was sent before it posts a receive.
+size from what was sent before it posts a receive. A receiver that knew the large tensors' shapes in
+advance (a spare, told by the donor while it idles) takes them from a :class:`Landing` it allocated and
+touched then, so the transfer does not wait for the kernel to fault in fresh memory.
 
 :func:`pack` builds the same layout in one buffer (ring replication keeps it in host memory);
 :func:`send_packed` sends its segments as slices of that buffer, and :func:`recv_state` takes either.
@@ -18,6 +20,7 @@ size from what was sent before it posts a receive.
 
 from __future__ import annotations
 
+import json
 import pickle
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -26,7 +29,7 @@ from typing import Any
 import torch
 
 from torchpass_plugins.transport import Transport
-from torchpass_plugins.tree import map_leaves
+from torchpass_plugins.tree import map_leaves, tensors_in
 
 _ALIGN = 64  # every tensor starts at a multiple of this in the payload (any dtype can view it)
 _SMALL = 1 << 18  # tensors below this many bytes travel coalesced, one segment per run of them
@@ -59,6 +62,34 @@ class _Layout:
     skeleton: Any  # the state with every tensor replaced by its _TensorRef
     size: int  # payload bytes, padding included
     segments: tuple[_Segment, ...]
+
+
+class Landing:
+    """Large tensors allocated and written (every page faulted in) ahead of a transfer, taken by
+    :func:`recv_state` by shape and dtype; what it does not take is freed with the landing."""
+
+    def __init__(self, shapes: Iterable[tuple[tuple[int, ...], torch.dtype]]) -> None:
+        self._free: dict[tuple[tuple[int, ...], torch.dtype], list[torch.Tensor]] = {}
+        for shape, dtype in shapes:
+            self._free.setdefault((tuple(shape), dtype), []).append(torch.zeros(shape, dtype=dtype))
+
+    @staticmethod
+    def describe(state: Any) -> str:
+        """The shapes and dtypes of ``state``'s large tensors, as a donor announces them (JSON)."""
+        large = [t for t in tensors_in(state) if t.numel() * t.element_size() >= _SMALL]
+        return json.dumps([[list(t.shape), str(t.dtype).removeprefix("torch.")] for t in large])
+
+    @classmethod
+    def from_description(cls, text: str | bytes) -> Landing:
+        return cls((tuple(shape), getattr(torch, dtype)) for shape, dtype in json.loads(text))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for free in self._free.values() for t in free)
+
+    def take(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
+        free = self._free.get((shape, dtype))
+        return free.pop() if free else None
 
 
 def _strip(state: Any) -> tuple[Any, list[tuple[_TensorRef, torch.Tensor]], int]:
@@ -188,8 +219,9 @@ def _send(transport: Transport, meta: torch.Tensor, parts: list[torch.Tensor], d
     return meta.numel() + moved
 
 
-def recv_state(transport: Transport, src: int) -> tuple[Any, int]:
-    """Receive what :func:`send_state` or :func:`send_packed` sent; returns (state, bytes moved)."""
+def recv_state(transport: Transport, src: int, landing: Landing | None = None) -> tuple[Any, int]:
+    """Receive what :func:`send_state` or :func:`send_packed` sent, large tensors into ``landing``'s where
+    their shape and dtype match; returns (state, bytes moved)."""
     first = torch.empty(_FIRST, dtype=torch.uint8)
     transport.recv(first, src)
     meta_n, moved = first[:16].view(torch.int64).tolist()
@@ -209,7 +241,8 @@ def recv_state(transport: Transport, src: int) -> tuple[Any, int]:
                 i = s.members[0]
                 r = refs[i]
                 if tensors[i] is None:
-                    tensors[i] = torch.empty(r.shape, dtype=r.dtype)
+                    landed = landing.take(r.shape, r.dtype) if landing is not None else None
+                    tensors[i] = landed if landed is not None else torch.empty(r.shape, dtype=r.dtype)
                 lo = s.offset - r.offset
                 targets.append(tensors[i].reshape(-1).view(torch.uint8)[lo : lo + s.length])
             else:

@@ -75,6 +75,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-steps", type=int, default=30)
     p.add_argument("--accumulate", type=int, default=2)
     p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--hidden", type=int, default=64, help="width of the hidden layers")
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--progress", action="store_true")
     p.add_argument("--sleep-per-step", type=float, default=0.0)
@@ -94,7 +95,7 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
 
     L.seed_everything(7)
-    model = Classifier()
+    model = Classifier(hidden=args.hidden)
     model.sleep_per_step = args.sleep_per_step
     if args.freeze_first:
         model.net[0].requires_grad_(False)
