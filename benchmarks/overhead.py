@@ -48,8 +48,8 @@ WHAT_DIFFERS = {
            "small all-reduce (the commit vote, which also carries migration flags and step times); Lightning's "
            "`ddp` broadcasts a one-element tensor each step (its SIGTERM check)",
     "fsdp": "the same FSDP2 units and collectives; `torchpass_fsdp` routes them through its relay group (so a "
-            "failure can break them), packs its shard state after every optimizer step and sends it to its "
-            "ring neighbour in a background thread, and all-reduces a small vector at each step boundary",
+            "failure can break them), packs its shard state after every optimizer step, in a background "
+            "thread, into memory that its ring neighbour maps, and all-reduces a small vector at each step boundary",
 }
 
 
