@@ -209,11 +209,24 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def worker_env(restarts: bool = False) -> dict[str, str]:
+# glibc keeps the memory a step frees for the next step instead of unmapping it (no mmap for large blocks,
+# no trim): a CPU step then faults in no fresh pages. Otherwise each step of the ~105M model faulted in
+# ~300,000 pages (gradients and AdamW temporaries), 40% of a single-process step, with a cost that swung
+# between runs and hid the differences being measured; on a GPU those tensors come from CUDA's caching
+# allocator, which never faults. Set for both contenders of a steady-state comparison alike.
+STEADY_MALLOC = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(1 << 40)}
+STEADY_NOTE = ("glibc keeps freed memory for reuse in every worker of both contenders (`MALLOC_MMAP_MAX_=0`, "
+               "`MALLOC_TRIM_THRESHOLD_=2^40`: no page faults per step; see `STEADY_MALLOC` in `_harness.py`)")
+
+
+def worker_env(restarts: bool = False, steady: bool = False) -> dict[str, str]:
     """Environment for both launchers: one intra-op thread per worker (torchrun's default), no fault
-    injection unless asked for, the repo importable; ``restarts``: see ``torchrun_cmd``."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHPASS_", "BENCH_"))}
+    injection unless asked for, the repo importable; ``restarts``: see ``torchrun_cmd``; ``steady``:
+    steady-state step times (``STEADY_MALLOC``)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHPASS_", "BENCH_", "MALLOC_"))}
     env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONHASHSEED="0")
+    if steady:
+        env.update(STEADY_MALLOC)
     if restarts:
         env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)

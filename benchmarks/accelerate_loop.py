@@ -19,6 +19,7 @@ from pathlib import Path
 
 from _harness import (
     BENCH_DIR,
+    STEADY_NOTE,
     STEADY_RANKS,
     RunFailed,
     bench_args,
@@ -85,7 +86,7 @@ def launch(processes: int, protected: bool, spares: int, run_dir: Path, script_a
 def step_time(size: Size, mode: str, work: Path) -> float:
     out = work / "out"
     cmd = launch(STEADY_RANKS, mode == PROTECTED, 0, work / "run", [*size.args(out, accumulate=1, kill=False), "--pin"])
-    code = run_bounded(cmd, worker_env(), size.timeout_s, work / "launcher.log")
+    code = run_bounded(cmd, worker_env(steady=True), size.timeout_s, work / "launcher.log")
     if code != 0:
         raise RunFailed(f"{mode}: exited {code}\n{tail(work / 'launcher.log')}")
     rows = read_steps(out).get(0, [])
@@ -126,7 +127,7 @@ def render(size: Size, times: dict[str, list[float]], regains: list[dict[str, fl
         f"step-to-step deltas over steps {size.warmup}..{size.steps - 1}; runs alternate protected / plain. "
         f"Protected: `accelerate launch --num_processes {STEADY_RANKS} -m torchpass_plugins.run --spares 0`; "
         f"plain: `accelerate launch --num_processes {STEADY_RANKS}` (Accelerate's DDP; `TorchPass` passes "
-        "through).",
+        f"through); {STEADY_NOTE}.",
         "",
         "| Loop | Runs | Median step (ms) | Min-max of run medians (ms) |",
         "|---|---|---|---|",

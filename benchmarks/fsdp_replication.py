@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from _harness import (
+    STEADY_NOTE,
     STEADY_RANKS,
     MLPSize,
     RunFailed,
@@ -60,7 +61,7 @@ def launch(size: Size, work: Path, every: int, spares: int, faults: str = "") ->
     ranks = RANKS if spares else STEADY_RANKS
     args = ["--strategy", "torchpass_fsdp", "--replicate-every", str(every), "--devices", str(ranks), "--max-steps",
             str(size.steps), *size.model_args(), "--out", str(out), *([] if spares else ["--pin"])]
-    env = worker_env()
+    env = worker_env(steady=not spares)
     if faults:
         env["TORCHPASS_FAULTS"] = faults
     code = run_bounded(torchpass_cmd(ranks + spares, spares, work / "run", args), env, size.timeout_s,
@@ -118,7 +119,7 @@ def render(size: Size, times: dict[int, list[float]], recoveries: list[Recovery]
         f"- Setup: FSDP2 (each `nn.Linear` one unit) over gloo; MLP {size.features} -> {size.hidden}x{size.depth} "
         f"-> {size.classes} ({size.params:,} parameters), batch {size.batch_size} per rank, AdamW. Step time: "
         f"{STEADY_RANKS} ranks, each pinned to one core, median of rank 0's step-to-step deltas after "
-        f"{size.warmup} warmup steps; runs alternate between the replication settings.",
+        f"{size.warmup} warmup steps; runs alternate between the replication settings; {STEADY_NOTE}.",
         "",
         "| Replication | Runs | Median step (ms) | Min-max of run medians (ms) |",
         "|---|---|---|---|",

@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from _harness import (
+    STEADY_NOTE,
     STEADY_RANKS,
     MLPSize,
     RunFailed,
@@ -88,7 +89,7 @@ def run_once(size: Size, strategy: str, ranks: int, work: Path, rep: int) -> Res
     args = ["--strategy", strategy, "--devices", str(ranks), "--max-steps", str(size.steps), "--accumulate", "1",
             "--pin", *size.model_args(), "--out", str(out)]
     cmd = torchpass_cmd(ranks, 0, work / "run", args) if strategy.startswith("torchpass") else torchrun_cmd(ranks, args)
-    code = run_bounded(cmd, worker_env(), size.timeout_s, work / "launcher.log")
+    code = run_bounded(cmd, worker_env(steady=True), size.timeout_s, work / "launcher.log")
     if code != 0:
         raise RunFailed(f"{strategy}: launcher exited {code}\n{tail(work / 'launcher.log')}")
     rows = read_steps(out).get(0, [])
@@ -121,7 +122,7 @@ def render(sizes: list[Size], pairs: list[str], ranks: int, results: list[Result
     lines += [
         f"- Setup: {ranks} ranks, no spares, no failure, each worker pinned to one core (its slot mod cores); "
         f"batch {sizes[0].batch_size} per rank, no gradient accumulation, AdamW, gloo, one intra-op thread per "
-        f"worker, no logging or checkpointing. Models: {models}.",
+        f"worker, no logging or checkpointing; {STEADY_NOTE}. Models: {models}.",
         "- Step time: median of rank 0's step-to-step `perf_counter` deltas after warmup; a side's figure is "
         "the median over its runs; runs alternate torchpass / plain within each pair.",
         *(f"- What differs ({p}): {WHAT_DIFFERS[p]}." for p in pairs),
