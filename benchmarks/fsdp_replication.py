@@ -40,6 +40,7 @@ from _harness import (
 )
 
 RANKS, KILL_RANK = 3, 1  # the recovery's active ranks
+ALTERNATE = 2  # a run replicating every other step: steps with a round vs without, side by side
 
 
 @dataclass(frozen=True)
@@ -69,6 +70,19 @@ def launch(size: Size, work: Path, every: int, spares: int, faults: str = "") ->
     if code != 0:
         raise RunFailed(f"replicate every {every}: launcher exited {code}\n{tail(work / 'launcher.log')}")
     return out
+
+
+def within_run_ratio(size: Size, out: Path) -> float:
+    """In a run replicating every ``ALTERNATE`` steps: the median time of the steps that carry a round over
+    that of the steps that do not. A round starts at a step's boundary and is fenced before that step's
+    first gradient reduction, so its cost stays in that step (rank 0 records step k after applying it)."""
+    perf = {step: p for step, _, p, _ in read_steps(out).get(0, [])}
+    if len(perf) != size.steps:
+        raise RunFailed(f"rank 0 recorded {len(perf)} steps, expected {size.steps}")
+    with_round, without = [], []
+    for k in range(size.warmup + 1, size.steps):
+        (with_round if k % ALTERNATE == 0 else without).append(perf[k] - perf[k - 1])
+    return statistics.median(with_round) / statistics.median(without)
 
 
 def step_time_ms(size: Size, out: Path) -> float:
@@ -109,7 +123,8 @@ def _label(every: int) -> str:
     return {0: "off", 1: "every step"}.get(every, f"every {every} steps")
 
 
-def render(size: Size, times: dict[int, list[float]], recoveries: list[Recovery], smoke: bool, info: dict) -> str:
+def render(size: Size, times: dict[int, list[float]], within: list[float], recoveries: list[Recovery], smoke: bool,
+           info: dict) -> str:
     off = statistics.median(times[0])
     lines = ["## `torchpass_fsdp`: replication overhead and recovery (`benchmarks/fsdp_replication.py`)", ""]
     if smoke:
@@ -133,7 +148,14 @@ def render(size: Size, times: dict[int, list[float]], recoveries: list[Recovery]
         spread = f"; per interleaved pair {min(pairs):.3f}-{max(pairs):.3f}" if pairs else ""
         ratio = statistics.median(times[every]) / off
         lines.append(f"**Step time with replication {_label(every)} / off: {ratio:.3f}** (medians{spread}).  ")
-    lines.append("")
+    lines += [
+        f"**Within one run replicating every {ALTERNATE} steps, steps with a round / steps without: "
+        f"{statistics.median(within):.3f}** (median of {len(within)} runs; per run {min(within):.3f}-"
+        f"{max(within):.3f}). The two kinds of step alternate in the same run, so the drift between runs that "
+        "widens the spreads above cancels out; a round's cost stays in its step (it is fenced before the step's "
+        "first gradient reduction).",
+        "",
+    ]
     if recoveries:
         med = {k: statistics.median(getattr(r, k) for r in recoveries) for k in asdict(recoveries[0])}
         lines += [
@@ -162,17 +184,21 @@ def main(argv: list[str] | None = None) -> int:
     info = machine()
     work_root = fresh_work_root("fsdp", args.smoke)
     times: dict[int, list[float]] = {every: [] for every in ((1, 0) if args.smoke else (1, 4, 0))}
+    within: list[float] = []
     recoveries: list[Recovery] = []
     for rep in range(reps):
         for every in times:
             print(f"[fsdp] rep {rep} replicate every {every} ...", flush=True)
             times[every].append(step_time_ms(size, launch(size, work_root / f"rep{rep}-every{every}", every, 0)))
             print(f"[fsdp] rep {rep} every {every}: median step {times[every][-1]:.2f} ms", flush=True)
+        within.append(within_run_ratio(size, launch(size, work_root / f"rep{rep}-alternate", ALTERNATE, 0)))
+        print(f"[fsdp] rep {rep} every {ALTERNATE}: steps with a round / without {within[-1]:.3f}", flush=True)
         print(f"[fsdp] rep {rep} recovery ...", flush=True)
         recoveries.append(measure_recovery(size, work_root / f"rep{rep}-recovery"))
         print(f"[fsdp] rep {rep} recovery: {recoveries[-1]}", flush=True)
-    body = render(size, times, recoveries, args.smoke, info)
-    raw = {"machine": info, "size": asdict(size), "step_ms": times, "recoveries": [asdict(r) for r in recoveries]}
+    body = render(size, times, within, recoveries, args.smoke, info)
+    raw = {"machine": info, "size": asdict(size), "step_ms": times, "within_run_ratios": within,
+           "recoveries": [asdict(r) for r in recoveries]}
     publish("fsdp", args.doc, body, work_root, raw)
     return 0
 
