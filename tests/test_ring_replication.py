@@ -13,8 +13,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from torchpass_plugins.peer_memory import SegmentId
 from torchpass_plugins.ring_replication import RingReplicator
 from torchpass_plugins.state_transfer import unpack
+from torchpass_plugins.transport import PeerFailure
 
 ROUNDS = 4
 TIMEOUT_S = 60
@@ -91,3 +93,12 @@ def test_a_replica_is_the_predecessors_shard_and_outlives_it(share_memory):
     shard = 300_000 * 4 * 2 + 7 * 8  # a snapshot's payload after step 0, give or take alignment
     # Mapped: KEEP + 1 own segments, replicas cost nothing more; sent: KEEP own + KEEP received copies.
     assert replicated[1] == pytest.approx(3 * shard if share_memory else 4 * shard, rel=0.01)
+
+
+def test_a_segment_gone_with_its_writer_is_a_peer_failure_not_a_crash():
+    """Once a generation maps its predecessor's segments, a segment that cannot be opened means the
+    predecessor died after announcing it: the round fails like any lost peer's (the older replica stays)."""
+    replicator = RingReplicator(side=None, every=1, _pred_mapped=True)
+    gone = SegmentId(pid=2**22 + 1, fd=3, dev=0, ino=0)  # above the default pid_max: no such process
+    with pytest.raises(PeerFailure, match="segment is gone"):
+        replicator._map(gone, 4096)

@@ -174,9 +174,9 @@ class RingReplicator:
             return None
         try:
             return map_peer(segment, nbytes)
-        except OSError:
-            if self._pred_mapped:  # settled this generation: the predecessor will not send the bytes
-                raise
+        except OSError as exc:
+            if self._pred_mapped:  # settled: the bytes will not come over the group; the predecessor died
+                raise PeerFailure(f"the predecessor's segment is gone: {exc}") from exc  # (its segment with it)
             return None
 
 
