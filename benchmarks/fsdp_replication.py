@@ -1,7 +1,8 @@
 """``torchpass_fsdp``: the price of ring replication, and what a recovery costs.
 
-Overhead: steady-state step time with the shard replicated every step (and, in full mode, every 4
-steps) vs replication off, same model, same launcher, runs alternating. Recovery: 3 active ranks + 1
+Overhead: steady-state step time with the shard replicated every step, every 2 and every 4 steps (smoke:
+every 2) vs replication off, same model, same launcher, runs alternating; and, within each run replicating
+every 2 steps, the steps that carry a round vs those that do not. Recovery: 3 active ranks + 1
 spare, rank 1 SIGKILLed at the first gradient reduce-scatter of step K (``TORCHPASS_FAULTS``); reported:
 the recovery time each rank logs (new roster -> state restored), regain (the agent sees the exit -> every
 rank has completed step K), bytes moved to the spare (shard from the ring successor, the rest from a
@@ -183,16 +184,19 @@ def main(argv: list[str] | None = None) -> int:
     reps = args.reps or size.reps
     info = machine()
     work_root = fresh_work_root("fsdp", args.smoke)
-    times: dict[int, list[float]] = {every: [] for every in ((1, 0) if args.smoke else (1, 4, 0))}
-    within: list[float] = []
+    settings = (ALTERNATE, 0) if args.smoke else (1, ALTERNATE, 4, 0)
+    times: dict[int, list[float]] = {every: [] for every in settings}
+    within: list[float] = []  # from the runs replicating every ALTERNATE steps
     recoveries: list[Recovery] = []
     for rep in range(reps):
         for every in times:
             print(f"[fsdp] rep {rep} replicate every {every} ...", flush=True)
-            times[every].append(step_time_ms(size, launch(size, work_root / f"rep{rep}-every{every}", every, 0)))
+            out = launch(size, work_root / f"rep{rep}-every{every}", every, 0)
+            times[every].append(step_time_ms(size, out))
             print(f"[fsdp] rep {rep} every {every}: median step {times[every][-1]:.2f} ms", flush=True)
-        within.append(within_run_ratio(size, launch(size, work_root / f"rep{rep}-alternate", ALTERNATE, 0)))
-        print(f"[fsdp] rep {rep} every {ALTERNATE}: steps with a round / without {within[-1]:.3f}", flush=True)
+            if every == ALTERNATE:
+                within.append(within_run_ratio(size, out))
+                print(f"[fsdp] rep {rep}: steps with a round / without {within[-1]:.3f}", flush=True)
         print(f"[fsdp] rep {rep} recovery ...", flush=True)
         recoveries.append(measure_recovery(size, work_root / f"rep{rep}-recovery"))
         print(f"[fsdp] rep {rep} recovery: {recoveries[-1]}", flush=True)

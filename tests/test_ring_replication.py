@@ -71,16 +71,17 @@ def _worker(rank: int, port: int, share_memory: bool, results: mp.Queue, verify:
 def test_a_replica_is_the_predecessors_shard_and_outlives_it(share_memory):
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     ctx = mp.get_context("spawn")
-    results, verify = ctx.Queue(), ctx.Event()
-    procs = [ctx.Process(target=_worker, args=(r, store.port, share_memory, results, verify)) for r in (0, 1)]
+    # A queue per rank: a process SIGKILLed while it held a shared queue's lock would block the other's puts.
+    results, verify = [ctx.Queue(), ctx.Queue()], ctx.Event()
+    procs = [ctx.Process(target=_worker, args=(r, store.port, share_memory, results[r], verify)) for r in (0, 1)]
     for p in procs:
         p.start()
     try:
-        replicated = dict(results.get(timeout=TIMEOUT_S)[::2] for _ in procs)
+        replicated = dict(q.get(timeout=TIMEOUT_S)[::2] for q in results)
         os.kill(procs[0].pid, signal.SIGKILL)
         procs[0].join(TIMEOUT_S)
         verify.set()
-        rank, what, held = results.get(timeout=TIMEOUT_S)
+        rank, what, held = results[1].get(timeout=TIMEOUT_S)
         procs[1].join(TIMEOUT_S)
     finally:
         for p in procs:
