@@ -91,15 +91,9 @@ def training_state(nbytes: int) -> dict[str, Any]:
 
 def checksum(state: Any) -> float:
     """Sum over every tensor of the state: a cheap check that the values arrived (weight i is filled with i)."""
-    return sum(float(t.double().sum()) for t in _tensors(state))
+    from torchpass_plugins.tree import tensors_in
 
-
-def _tensors(state: Any) -> list[Any]:
-    if isinstance(state, dict):
-        return [t for v in state.values() for t in _tensors(v)]
-    if isinstance(state, (list, tuple)):
-        return [t for v in state for t in _tensors(v)]
-    return [state] if hasattr(state, "element_size") else []
+    return sum(float(t.double().sum()) for t in tensors_in(state))
 
 
 def worker(rank: int, store: str, plan: Plan, out: Path) -> None:
@@ -110,6 +104,7 @@ def worker(rank: int, store: str, plan: Plan, out: Path) -> None:
     from torchpass_plugins.membership import Member, WorkerEnv
     from torchpass_plugins.state_transfer import Landing, pack, recv_state, send_state, unpack
     from torchpass_plugins.transport import Transport
+    from torchpass_plugins.tree import tensors_in
 
     ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: never outlive the driver
     timeout = timedelta(seconds=min(120.0, plan.timeout_s))
@@ -127,7 +122,7 @@ def worker(rank: int, store: str, plan: Plan, out: Path) -> None:
 
     for size in plan.sizes:
         state = training_state(size) if rank == 0 else None
-        nbytes = sum(t.numel() * t.element_size() for t in _tensors(state)) if state is not None else 0
+        nbytes = sum(t.numel() * t.element_size() for t in tensors_in(state)) if state is not None else 0
         count = torch.tensor([nbytes], dtype=torch.int64)
         raw_pg.broadcast([count], dist.BroadcastOptions()).wait()  # rank 1 learns the byte count
         nbytes = int(count[0])
