@@ -13,7 +13,6 @@ Run ``python benchmarks/fsdp_replication.py`` (full) or ``--smoke`` (tiny, check
 
 from __future__ import annotations
 
-import itertools
 import statistics
 import sys
 from dataclasses import asdict, dataclass
@@ -73,13 +72,19 @@ def launch(size: Size, work: Path, every: int, spares: int, faults: str = "") ->
     return out
 
 
+def rank0_perf(size: Size, out: Path) -> dict[int, float]:
+    """Rank 0's ``perf_counter`` after applying each step, by step; every step must be there."""
+    perf = {step: p for step, _, p, _ in read_steps(out).get(0, [])}
+    if len(perf) != size.steps:
+        raise RunFailed(f"rank 0 recorded {len(perf)} steps, expected {size.steps}")
+    return perf
+
+
 def within_run_ratio(size: Size, out: Path) -> float:
     """In a run replicating every ``ALTERNATE`` steps: the median time of the steps that carry a round over
     that of the steps that do not. A round starts at a step's boundary and is fenced before that step's
     first gradient reduction, so its cost stays in that step (rank 0 records step k after applying it)."""
-    perf = {step: p for step, _, p, _ in read_steps(out).get(0, [])}
-    if len(perf) != size.steps:
-        raise RunFailed(f"rank 0 recorded {len(perf)} steps, expected {size.steps}")
+    perf = rank0_perf(size, out)
     with_round, without = [], []
     for k in range(size.warmup + 1, size.steps):
         (with_round if k % ALTERNATE == 0 else without).append(perf[k] - perf[k - 1])
@@ -87,10 +92,8 @@ def within_run_ratio(size: Size, out: Path) -> float:
 
 
 def step_time_ms(size: Size, out: Path) -> float:
-    perf = [p for _, _, p, _ in read_steps(out).get(0, [])]
-    if len(perf) != size.steps:
-        raise RunFailed(f"rank 0 recorded {len(perf)} steps, expected {size.steps}")
-    return statistics.median((b - a) * 1e3 for a, b in itertools.pairwise(perf[size.warmup :]))
+    perf = rank0_perf(size, out)
+    return statistics.median((perf[k] - perf[k - 1]) * 1e3 for k in range(size.warmup + 1, size.steps))
 
 
 @dataclass

@@ -147,7 +147,7 @@ class RingReplicator:
             got_step, meta_n, payload_n, *at = theirs.tolist()
             retired = _retire_oldest(self.replicas)
             mapped = self._map(SegmentId(*at), payload_n)
-            if self._succ_maps is None or self._pred_mapped is None:  # this generation's first round
+            if self._pred_mapped is None:  # this generation's first round: settle both directions
                 self._pred_mapped = mapped is not None
                 answer, reply = torch.tensor([int(self._pred_mapped)]), torch.empty(1, dtype=torch.int64)
                 handshake = [side.pg.send([answer], pred, 3), side.pg.recv([reply], succ, 3)]
