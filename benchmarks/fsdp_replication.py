@@ -50,7 +50,7 @@ class Size(MLPSize):
     kill_step: int
 
 
-FULL = Size(features=1024, hidden=1024, depth=4, classes=10, batch_size=64, steps=50, warmup=10, kill_step=30,
+FULL = Size(features=1024, hidden=1024, depth=4, classes=10, batch_size=64, steps=90, warmup=10, kill_step=30,
             reps=3, timeout_s=600)
 SMOKE = Size(features=32, hidden=64, depth=2, classes=4, batch_size=8, steps=12, warmup=4, kill_step=6, reps=1,
              timeout_s=240)

@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from torchpass_plugins.peer_memory import SegmentId
 from torchpass_plugins.ring_replication import RingReplicator
-from torchpass_plugins.state_transfer import unpack
+from torchpass_plugins.state_transfer import pack, unpack
 from torchpass_plugins.transport import PeerFailure
 
 ROUNDS = 4
@@ -36,9 +36,11 @@ class _Side:
             work.wait()
 
 
-def _shard(rank: int, step: int) -> dict:
-    """A shard state whose size changes after step 0, as AdamW's does (no optimizer state before it)."""
+def _shard(rank: int, step: int, many: int = 0) -> dict:
+    """A shard state whose size changes after step 0, as AdamW's does (no optimizer state before it);
+    ``many`` more one-element tensors make its structure too large to travel in the round's header."""
     params = {"w": torch.full((300_000,), 100.0 * rank + step), "b": torch.arange(7) + step}
+    params.update({f"t{i}": torch.tensor([i + step]) for i in range(many)})
     optim = {} if step == 0 else {"w": {"exp_avg": torch.full((300_000,), -step - rank / 10)}}
     return {"params": params, "optim": optim}
 
@@ -49,12 +51,12 @@ def _same(a, b) -> bool:
     return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
 
 
-def _worker(rank: int, port: int, share_memory: bool, results: mp.Queue, verify: mp.Event) -> None:
+def _worker(rank: int, port: int, share_memory: bool, many: int, results: mp.Queue, verify: mp.Event) -> None:
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=TIMEOUT_S))
     pg = dist.ProcessGroupGloo(store, rank, 2, timedelta(seconds=TIMEOUT_S))
     replicator = RingReplicator(_Side(pg, rank), every=1, share_memory=share_memory)
     for step in range(ROUNDS):
-        replicator.start_round(step, _shard(rank, step), host=None)
+        replicator.start_round(step, _shard(rank, step, many), host=None)
         replicator.fence()
     pg.barrier().wait()
     results.put((rank, "replicated", replicator.host_bytes()))
@@ -63,17 +65,18 @@ def _worker(rank: int, port: int, share_memory: bool, results: mp.Queue, verify:
     verify.wait(TIMEOUT_S)
     held = {}
     for step, packed in replicator.replicas.items():
-        held[step] = (_same(unpack(packed.meta, packed.payload), _shard(0, step)), packed.mapped)
+        held[step] = (_same(unpack(packed.meta, packed.payload), _shard(0, step, many)), packed.mapped)
     results.put((rank, "held", held))
 
 
-@pytest.mark.parametrize("share_memory", [True, False], ids=["mapped", "sent"])
-def test_a_replica_is_the_predecessors_shard_and_outlives_it(share_memory):
+@pytest.mark.parametrize(("share_memory", "many"), [(True, 0), (False, 0), (True, 1000)],
+                         ids=["mapped", "sent", "mapped-structure-beyond-header"])
+def test_a_replica_is_the_predecessors_shard_and_outlives_it(share_memory, many):
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     ctx = mp.get_context("spawn")
     # A queue per rank: a process SIGKILLed while it held a shared queue's lock would block the other's puts.
     results, verify = [ctx.Queue(), ctx.Queue()], ctx.Event()
-    procs = [ctx.Process(target=_worker, args=(r, store.port, share_memory, results[r], verify)) for r in (0, 1)]
+    procs = [ctx.Process(target=_worker, args=(r, store.port, share_memory, many, results[r], verify)) for r in (0, 1)]
     for p in procs:
         p.start()
     try:
@@ -91,9 +94,10 @@ def test_a_replica_is_the_predecessors_shard_and_outlives_it(share_memory):
     assert (rank, what) == (1, "held")
     assert held == {ROUNDS - 2: (True, share_memory), ROUNDS - 1: (True, share_memory)}
     assert procs[1].exitcode == 0
-    shard = 300_000 * 4 * 2 + 7 * 8  # a snapshot's payload after step 0, give or take alignment
-    # Mapped: KEEP + 1 own segments, replicas cost nothing more; sent: KEEP own + KEEP received copies.
-    assert replicated[1] == pytest.approx(3 * shard if share_memory else 4 * shard, rel=0.01)
+    meta, payload = (t.numel() for t in pack(_shard(1, ROUNDS - 1, many)))
+    # Mapped: KEEP + 1 own segments, replicas cost nothing more; sent: KEEP own + KEEP received copies;
+    # the structures of KEEP own snapshots and KEEP replicas either way.
+    assert replicated[1] == (3 * payload if share_memory else 4 * payload) + 4 * meta
 
 
 def test_a_segment_gone_with_its_writer_is_a_peer_failure_not_a_crash():

@@ -9,15 +9,15 @@ replicated. Each rank keeps its own last two packed snapshots (to roll back in m
 complete replicas it received (double buffering: a round in flight never overwrites the one a recovery
 may need).
 
-A rank packs into segments of its own memory that a successor on the same host maps
-(:mod:`peer_memory`): then a round sends only a header over the side group, and the replica is the
-predecessor's packed snapshot itself, alive in the successor's mapping even after the predecessor dies. A
-successor on another host (or one that cannot map it) receives the bytes over the side group instead;
-the first round of each generation settles which. Round n rewrites the segment of round n - 3 (the
-least recently written of ``KEEP + 1``), which the successor no longer lists: it dropped that replica in
-its round n - 1, which it fenced before that step's gradient reduction (or, for a step without one,
-before the next boundary's all-reduce), a collective this rank took part in before round n began.
-Steady state allocates nothing.
+A rank packs into segments of its own memory that a successor on the same host maps (:mod:`peer_memory`):
+then a round sends one message over the side group (a header that carries the structure), and the replica is
+the predecessor's packed snapshot itself, alive in the successor's mapping even after the predecessor dies.
+A successor on another host (or one that cannot map it) receives the bytes over the side group instead; the
+first round of each generation settles which. Round n rewrites the segment of round n - 3 (the least
+recently written of ``KEEP + 1``), which the successor no longer lists: it dropped that replica in its round
+n - 1, which it fenced before that step's gradient reduction (or, for a step without one, before the next
+boundary's all-reduce), a collective this rank took part in before round n began.
+In steady state a round allocates no payload memory.
 """
 
 from __future__ import annotations
@@ -34,6 +34,9 @@ from torchpass_plugins.state_transfer import pack
 from torchpass_plugins.transport import PeerFailure, Transport
 
 KEEP = 2
+_FIELDS = 7  # step, structure bytes, payload bytes, segment (pid, fd, device, inode)
+_HEADER = 1 << 14
+_INLINE = _HEADER - _FIELDS * 8  # structures up to this size travel in the header
 
 
 @dataclass
@@ -141,10 +144,10 @@ class RingReplicator:
             if side.stale() or side.pg is None:
                 raise PeerFailure("newer roster")
             where = self._segments[-1].id.to_list() if mine.payload.numel() else [-1] * 4  # just written
-            header = torch.tensor([step, mine.meta.numel(), mine.payload.numel(), *where], dtype=torch.int64)
+            header = _header(step, mine, where)
             theirs = torch.empty_like(header)
             side.wait_all([side.pg.send([header], succ, 0), side.pg.recv([theirs], pred, 0)], "replication header")
-            got_step, meta_n, payload_n, *at = theirs.tolist()
+            got_step, meta_n, payload_n, *at = theirs[:_FIELDS * 8].view(torch.int64).tolist()
             retired = _retire_oldest(self.replicas)
             mapped = self._map(SegmentId(*at), payload_n)
             if self._pred_mapped is None:  # this generation's first round: settle both directions
@@ -153,8 +156,14 @@ class RingReplicator:
                 handshake = [side.pg.send([answer], pred, 3), side.pg.recv([reply], succ, 3)]
                 side.wait_all(handshake, "replication handshake")
                 self._succ_maps = bool(reply.item())
-            meta = torch.empty(meta_n, dtype=torch.uint8)
-            works = [side.pg.send([mine.meta], succ, 1), side.pg.recv([meta], pred, 1)]
+            works = []
+            if mine.meta.numel() > _INLINE:
+                works.append(side.pg.send([mine.meta], succ, 1))
+            if meta_n > _INLINE:
+                meta = torch.empty(meta_n, dtype=torch.uint8)
+                works.append(side.pg.recv([meta], pred, 1))
+            else:
+                meta = theirs[_FIELDS * 8 : _FIELDS * 8 + meta_n].clone()
             if mine.payload.numel() and not self._succ_maps:
                 works.append(side.pg.send([mine.payload], succ, 2))
             payload = mapped
@@ -163,7 +172,8 @@ class RingReplicator:
                 payload = retired.payload if reusable else torch.empty(payload_n, dtype=torch.uint8)
                 if payload_n:
                     works.append(side.pg.recv([payload], pred, 2))
-            side.wait_all(works, "replication send/recv")
+            if works:
+                side.wait_all(works, "replication send/recv")
             self.replicas[got_step] = Packed(meta, payload, mapped=mapped is not None)
         except PeerFailure as exc:
             self._error = str(exc)
@@ -178,6 +188,16 @@ class RingReplicator:
             if self._pred_mapped:  # settled: the bytes will not come over the group; the predecessor died
                 raise PeerFailure(f"the predecessor's segment is gone: {exc}") from exc  # (its segment with it)
             return None
+
+
+def _header(step: int, mine: Packed, where: list[int]) -> torch.Tensor:
+    """One message: step, sizes and segment as int64 fields, then the structure if it fits (it is sent
+    apart otherwise); a round whose payload the successor maps needs no other message."""
+    header = torch.zeros(_HEADER, dtype=torch.uint8)
+    header[: _FIELDS * 8].view(torch.int64).copy_(torch.tensor([step, mine.meta.numel(), mine.payload.numel(), *where]))
+    if mine.meta.numel() <= _INLINE:
+        header[_FIELDS * 8 : _FIELDS * 8 + mine.meta.numel()] = mine.meta
+    return header
 
 
 def _retire_oldest(packs: dict[int, Packed]) -> Packed | None:

@@ -101,7 +101,7 @@ def _strip(state: Any) -> tuple[Any, list[tuple[_TensorRef, torch.Tensor]], int]
         nonlocal offset
         if not isinstance(obj, torch.Tensor):
             return obj
-        flat = obj.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+        flat = _flat_bytes(obj)
         r = _TensorRef(offset, flat.numel(), obj.dtype, tuple(obj.shape), obj.requires_grad)
         tensors.append((r, flat))
         offset += -(-flat.numel() // _ALIGN) * _ALIGN
@@ -109,6 +109,14 @@ def _strip(state: Any) -> tuple[Any, list[tuple[_TensorRef, torch.Tensor]], int]
 
     skeleton = map_leaves(state, ref)
     return skeleton, tensors, offset
+
+
+def _flat_bytes(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s bytes as a flat uint8 tensor: a view where ``t`` is a contiguous CPU tensor (the usual case,
+    so each call stays a few attribute reads: a replication round makes one per state tensor)."""
+    if t.device.type != "cpu" or not t.is_contiguous():
+        t = t.detach().cpu().contiguous()
+    return t.detach().view(-1).view(torch.uint8) if t.requires_grad else t.view(-1).view(torch.uint8)
 
 
 def _segments(refs: list[_TensorRef]) -> tuple[_Segment, ...]:
