@@ -26,9 +26,11 @@ from _harness import (
     command_line,
     free_port,
     fresh_work_root,
+    in_turn,
     install_cleanup,
     machine,
     machine_lines,
+    median_ci,
     publish,
     read_events,
     read_steps,
@@ -68,7 +70,7 @@ class Size:
         return [*args, "--kill-rank", str(KILL_RANK), "--kill-step", str(self.kill_step)] if kill else args
 
 
-FULL = Size(features=1024, hidden=1024, depth=4, batch_size=64, steps=70, warmup=10, kill_step=25, reps=3,
+FULL = Size(features=1024, hidden=1024, depth=4, batch_size=64, steps=70, warmup=10, kill_step=25, reps=6,
             timeout_s=600)
 SMOKE = Size(features=32, hidden=64, depth=2, batch_size=8, steps=12, warmup=4, kill_step=6, reps=1, timeout_s=240,
              regain_ranks=2)
@@ -114,7 +116,6 @@ def render(size: Size, times: dict[str, list[float]], regains: list[dict[str, fl
            info: dict[str, str]) -> str:
     med = {m: summarize(v) for m, v in times.items()}
     pairs = [a / b for a, b in zip(times[PROTECTED], times[PLAIN], strict=False)]
-    ratio = med[PROTECTED][0] / med[PLAIN][0] if times[PROTECTED] and times[PLAIN] else float("nan")
     lines = ["## Accelerate loop: overhead and regain (`benchmarks/accelerate_loop.py`)", ""]
     if smoke:
         lines += ["> **Smoke run**: tiny model, one repetition; checks the pipeline only.", ""]
@@ -124,7 +125,8 @@ def render(size: Size, times: dict[str, list[float]], regains: list[dict[str, fl
         f"shuffled loader, AdamW); MLP {size.features} -> {size.hidden}x{size.depth} -> 10 ({size.params:,} "
         f"parameters), batch {size.batch_size} per rank, gloo, one intra-op thread per worker.",
         f"- Step time: {STEADY_RANKS} ranks, each pinned to one core, no accumulation, median of rank 0's "
-        f"step-to-step deltas over steps {size.warmup}..{size.steps - 1}; runs alternate protected / plain. "
+        f"step-to-step deltas over steps {size.warmup}..{size.steps - 1}; each repetition runs protected and "
+        "plain back to back (in turn first). "
         f"Protected: `accelerate launch --num_processes {STEADY_RANKS} -m torchpass_plugins.run --spares 0`; "
         f"plain: `accelerate launch --num_processes {STEADY_RANKS}` (Accelerate's DDP; `TorchPass` passes "
         f"through); {STEADY_NOTE}.",
@@ -135,8 +137,12 @@ def render(size: Size, times: dict[str, list[float]], regains: list[dict[str, fl
     for mode, label in ((PROTECTED, "with torchpass"), (PLAIN, "without torchpass")):
         m, lo, hi = med[mode]
         lines.append(f"| {label} | {len(times[mode])} | {m:.1f} | {lo:.1f}-{hi:.1f} |")
-    spread = f"; per interleaved pair {min(pairs):.3f}-{max(pairs):.3f}" if pairs else ""
-    lines += ["", f"**Step time with / without torchpass: {ratio:.3f}** (medians{spread}).", ""]
+    if pairs:
+        ratio, lo, hi = median_ci(pairs)
+        lines += ["", f"**Step time with / without torchpass: {ratio:.3f}**: the median over {len(pairs)} repetitions "
+                  f"of the ratio within each; 95% distribution-free interval {lo:.3f}-{hi:.3f} (`median_ci` in "
+                  f"`_harness.py`), min-max {min(pairs):.3f}-{max(pairs):.3f}; ratio of the sides' medians "
+                  f"{med[PROTECTED][0] / med[PLAIN][0]:.3f}.", ""]
     if regains:
         r = {k: statistics.median(x[k] for x in regains) for k in regains[0]}
         lines += [
@@ -165,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     regains: list[dict[str, float]] = []
     try:
         for rep in range(reps):
-            for mode in (PROTECTED, PLAIN):
+            for mode in in_turn((PROTECTED, PLAIN), rep):
                 times[mode].append(step_time(size, mode, work_root / f"rep{rep}-{mode}"))
                 print(f"[accelerate] rep {rep} {mode}: median step {times[mode][-1]:.2f} ms", flush=True)
             regains.append(regain(size, work_root / f"regain{rep}", rep))

@@ -26,9 +26,11 @@ from _harness import (
     bench_args,
     command_line,
     fresh_work_root,
+    in_turn,
     install_cleanup,
     machine,
     machine_lines,
+    median_ci,
     publish,
     read_events,
     read_steps,
@@ -138,7 +140,8 @@ def render(size: Size, times: dict[int, list[float]], within: list[float], recov
         f"- Setup: FSDP2 (each `nn.Linear` one unit) over gloo; MLP {size.features} -> {size.hidden}x{size.depth} "
         f"-> {size.classes} ({size.params:,} parameters), batch {size.batch_size} per rank, AdamW. Step time: "
         f"{STEADY_RANKS} ranks, each pinned to one core, median of rank 0's step-to-step deltas after "
-        f"{size.warmup} warmup steps; runs alternate between the replication settings; {STEADY_NOTE}.",
+        f"{size.warmup} warmup steps; each repetition runs every setting once, in reverse order every other "
+        f"repetition; {STEADY_NOTE}.",
         "",
         "| Replication | Runs | Median step (ms) | Min-max of run medians (ms) |",
         "|---|---|---|---|",
@@ -149,15 +152,17 @@ def render(size: Size, times: dict[int, list[float]], within: list[float], recov
     lines.append("")
     for every in (e for e in times if e):
         pairs = [a / b for a, b in zip(times[every], times[0], strict=False)]
-        spread = f"; per interleaved pair {min(pairs):.3f}-{max(pairs):.3f}" if pairs else ""
-        ratio = statistics.median(times[every]) / off
-        lines.append(f"**Step time with replication {_label(every)} / off: {ratio:.3f}** (medians{spread}).  ")
+        ratio, lo, hi = median_ci(pairs)
+        lines.append(f"**Step time with replication {_label(every)} / off: {ratio:.3f}** (median over repetitions "
+                     f"of the ratio within each; 95% interval {lo:.3f}-{hi:.3f}; ratio of medians "
+                     f"{statistics.median(times[every]) / off:.3f}).  ")
+    ratio, lo, hi = median_ci(within)
     lines += [
         f"**Within one run replicating every {ALTERNATE} steps, steps with a round / steps without: "
-        f"{statistics.median(within):.3f}** (median of {len(within)} runs; per run {min(within):.3f}-"
+        f"{ratio:.3f}** (median of {len(within)} runs, 95% interval {lo:.3f}-{hi:.3f}; per run {min(within):.3f}-"
         f"{max(within):.3f}). The two kinds of step alternate in the same run, so the drift between runs that "
         "widens the spreads above cancels out; a round's cost stays in its step (it is fenced before the step's "
-        "first gradient reduction).",
+        "first gradient reduction). Intervals: distribution-free, for the median (`median_ci` in `_harness.py`).",
         "",
     ]
     if recoveries:
@@ -192,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     within: list[float] = []  # from the runs replicating every ALTERNATE steps
     recoveries: list[Recovery] = []
     for rep in range(reps):
-        for every in times:
+        for every in in_turn(settings, rep):
             print(f"[fsdp] rep {rep} replicate every {every} ...", flush=True)
             out = launch(size, work_root / f"rep{rep}-every{every}", every, 0)
             times[every].append(step_time_ms(size, out))

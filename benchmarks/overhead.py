@@ -29,9 +29,11 @@ from _harness import (
     bench_args,
     command_line,
     fresh_work_root,
+    in_turn,
     install_cleanup,
     machine,
     machine_lines,
+    median_ci,
     publish,
     read_steps,
     run_bounded,
@@ -63,9 +65,9 @@ class Size(MLPSize):
     warmup: int
 
 
-SMALL = Size(features=1024, hidden=1024, depth=4, classes=10, batch_size=64, reps=3, timeout_s=600, name="small",
+SMALL = Size(features=1024, hidden=1024, depth=4, classes=10, batch_size=64, reps=8, timeout_s=600, name="small",
              steps=70, warmup=10)
-LARGE = Size(features=1024, hidden=4096, depth=7, classes=10, batch_size=64, reps=3, timeout_s=900, name="~105M",
+LARGE = Size(features=1024, hidden=4096, depth=7, classes=10, batch_size=64, reps=4, timeout_s=900, name="~105M",
              steps=16, warmup=4)
 SMOKE = Size(features=32, hidden=64, depth=2, classes=4, batch_size=8, reps=1, timeout_s=240, name="tiny",
              steps=12, warmup=4)
@@ -124,7 +126,9 @@ def render(sizes: list[Size], pairs: list[str], ranks: int, results: list[Result
         f"batch {sizes[0].batch_size} per rank, no gradient accumulation, AdamW, gloo, one intra-op thread per "
         f"worker, no logging or checkpointing; {STEADY_NOTE}. Models: {models}.",
         "- Step time: median of rank 0's step-to-step `perf_counter` deltas after warmup; a side's figure is "
-        "the median over its runs; runs alternate torchpass / plain within each pair.",
+        "the median over its runs; each repetition runs torchpass and plain back to back (in turn first). "
+        "Ratio: the median over repetitions of torchpass / plain within the repetition, with a 95% "
+        "distribution-free interval for that median (`median_ci` in `_harness.py`).",
         *(f"- What differs ({p}): {WHAT_DIFFERS[p]}." for p in pairs),
         "",
         "| Model | Strategy | Launch | Runs | Median step (ms) | Min-max of run medians (ms) "
@@ -141,13 +145,14 @@ def render(sizes: list[Size], pairs: list[str], ranks: int, results: list[Result
                 lines.append(f"| {size.name} | `{s}` | {launch_of(s, ranks)} | {len(rs)} | {m:.1f} | {lo:.1f}-{hi:.1f} "
                              f"| {p10:.1f}-{p90:.1f} |")
         mine, plain = by.values()
-        if mine and plain:
-            ratio = summarize(r.median_ms for r in mine)[0] / summarize(r.median_ms for r in plain)[0]
-            per_pair = [a.median_ms / b.median_ms for a in mine for b in plain if a.rep == b.rep]
-            spread = f"{min(per_pair):.3f}-{max(per_pair):.3f}" if per_pair else "-"
-            ratios.append(f"| {size.name} | `{PAIRS[pair][0]}` / `{PAIRS[pair][1]}` | **{ratio:.3f}** | {spread} |")
-    lines += ["", "| Model | Step time ratio | Ratio of medians | Per interleaved pair (min-max) |",
-              "|---|---|---|---|", *ratios, ""]
+        per_pair = [a.median_ms / b.median_ms for a in mine for b in plain if a.rep == b.rep]
+        if per_pair:
+            ratio, lo, hi = median_ci(per_pair)
+            of_medians = summarize(r.median_ms for r in mine)[0] / summarize(r.median_ms for r in plain)[0]
+            ratios.append(f"| {size.name} | `{PAIRS[pair][0]}` / `{PAIRS[pair][1]}` | **{ratio:.3f}** "
+                          f"| {lo:.3f}-{hi:.3f} | {min(per_pair):.3f}-{max(per_pair):.3f} | {of_medians:.3f} |")
+    lines += ["", "| Model | Step time ratio | Median over repetitions | 95% interval | Min-max | Ratio of the "
+              "sides' medians |", "|---|---|---|---|---|---|", *ratios, ""]
     if failures:
         lines += [f"Failed runs ({len(failures)}), left out:", ""]
         lines += [f"- {f.splitlines()[0]}" for f in failures]
@@ -173,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     failures: list[str] = []
     for size in sizes:
         for rep in range(args.reps or size.reps):
-            for strategy in (s for pair in pairs for s in PAIRS[pair]):
+            for strategy in (s for pair in pairs for s in in_turn(PAIRS[pair], rep)):
                 tag = f"[overhead] {size.name} rep {rep} {strategy}"
                 work = work_root / f"{size.name}-rep{rep}-{strategy}"
                 r = attempt(tag, lambda: run_once(size, strategy, args.ranks, work, rep), failures,  # noqa: B023
