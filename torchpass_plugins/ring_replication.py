@@ -23,20 +23,23 @@ In steady state a round allocates no payload memory.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from torchpass_plugins import faults
+from torchpass_plugins.idle_copy import IdleCopy, pieces
 from torchpass_plugins.peer_memory import Segment, SegmentId, map_peer
-from torchpass_plugins.state_transfer import pack
+from torchpass_plugins.state_transfer import pack_plan
 from torchpass_plugins.transport import PeerFailure, Transport
 
 KEEP = 2
 _FIELDS = 7  # step, structure bytes, payload bytes, segment (pid, fd, device, inode)
 _HEADER = 1 << 14
 _INLINE = _HEADER - _FIELDS * 8  # structures up to this size travel in the header
+GRACE_S = 0.1  # how long the fence waits for a piece the idle copier holds before it redoes the round
 
 
 @dataclass
@@ -58,12 +61,17 @@ class RingReplicator:
     side: Transport
     every: int
     share_memory: bool = True  # a same-host successor maps this rank's snapshots instead of receiving them
+    copier: Callable[[list[tuple[torch.Tensor, torch.Tensor]]], IdleCopy] = IdleCopy  # (a test's hook)
     own: dict[int, Packed] = field(default_factory=dict)
     replicas: dict[int, Packed] = field(default_factory=dict)  # of the ring predecessor, by step
     _segments: list[Segment] = field(default_factory=list)  # own payload buffers, least recently written first
     _succ_maps: bool | None = None  # does the successor map this rank's segments (None: not settled yet)
     _pred_mapped: bool | None = None  # does this rank map the predecessor's
     _thread: threading.Thread | None = None
+    _round_args: tuple[int, Any, Any] | None = None  # of the round in flight
+    _copy: IdleCopy | None = None  # its snapshot copy, once planned
+    _planned: threading.Event = field(default_factory=threading.Event)
+    _abandoned: list[tuple[Segment, IdleCopy]] = field(default_factory=list)  # may still be written
     _error: str | None = None
     _crash: Exception | None = None
 
@@ -81,30 +89,50 @@ class RingReplicator:
         """Copy and replicate this rank's shard state of boundary ``step`` in the background.
 
         ``shard_state`` may hold the live tensors: they change only at the optimizer step, which comes
-        after the fence, so the background copy is consistent and costs the training thread nothing.
+        after the fence. The copy runs where the core would be idle (:class:`IdleCopy`); the fence
+        finishes what is left of it.
         """
         self.fence()
-        self._error = None
+        self._error, self._copy, self._round_args = None, None, (step, shard_state, host)
+        self._planned.clear()
         self._thread = threading.Thread(
             target=self._round, args=(step, shard_state, host), name="torchpass-replicate", daemon=True
         )
         self._thread.start()
 
-    def _round(self, step: int, shard_state: Any, host: Any) -> None:
+    def _round(self, step: int, shard_state: Any, host: Any, idle: bool = True) -> None:
         try:
             _retire_oldest(self.own)
-            mine = Packed(*pack(shard_state, alloc=self._segment), host)
+            meta, size, sources = pack_plan(shard_state)
+            payload = self._segment(size)
+            if idle:
+                self._copy = copy = self.copier(pieces(payload, sources))
+                self._planned.set()
+                if not copy.wait():
+                    return  # given up on: the fence redoes this round
+            else:
+                for dst, src in pieces(payload, sources):
+                    dst.copy_(src)
+            mine = Packed(meta, payload, host)
             self.own[step] = mine
             faults.point("replicate")
             self._exchange(step, mine)
         except Exception as exc:  # not a peer's failure: this worker fails at the fence, like the training thread
             self._crash = exc
+        finally:
+            self._planned.set()
 
     def fence(self) -> None:
-        """Wait for the round in flight; raises ``PeerFailure`` if it failed."""
+        """Finish the round in flight (its copy here, if the idle copier has not); raises ``PeerFailure``
+        if it failed."""
         if self._thread is not None:
+            self._planned.wait()
+            if self._copy is not None and not self._copy.finish(GRACE_S):
+                self._thread.join()  # at once: its copy was given up on
+                self._abandoned.append((self._segments.pop(), self._copy))  # a piece may still land there
+                self._round(*self._round_args, idle=False)  # into another segment, in this thread
             self._thread.join()
-            self._thread = None
+            self._thread, self._copy = None, None
         if self._crash is not None:
             raise RuntimeError("torchpass: the shard replication thread failed") from self._crash
         if self._error is not None:
@@ -113,12 +141,16 @@ class RingReplicator:
 
     def host_bytes(self) -> int:
         """What this rank's replication holds: its segments and the replicas it received (not mapped)."""
-        return (sum(s.nbytes for s in self._segments) + sum(p.meta.numel() for p in self.own.values())
+        return (sum(s.nbytes for s in self._segments) + sum(s.nbytes for s, _ in self._abandoned)
+                + sum(p.meta.numel() for p in self.own.values())
                 + sum(p.meta.numel() if p.mapped else p.nbytes for p in self.replicas.values()))
 
     def _segment(self, nbytes: int) -> torch.Tensor:
         """A buffer for this round's snapshot: the least recently written segment that holds none of the
         kept snapshots, once there are ``KEEP + 1`` of them (``KEEP`` if the successor does not map them)."""
+        for gone in [a for a in self._abandoned if a[1].settled]:
+            self._abandoned.remove(gone)
+            gone[0].close()
         if nbytes == 0:
             return torch.empty(0, dtype=torch.uint8)
         kept = {p.payload.data_ptr() for p in self.own.values() if p.payload.numel()}

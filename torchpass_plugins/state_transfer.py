@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import json
 import pickle
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -173,14 +173,21 @@ def _rebuild(skeleton: Any, tensors: list[torch.Tensor]) -> Any:
     return map_leaves(skeleton, tensor)
 
 
-def pack(state: Any, alloc: Callable[[int], torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Return (structure as uint8 pickle, all tensor bytes as one uint8 buffer); ``alloc(nbytes)`` provides
-    that buffer (ring replication reuses its own across rounds: no fresh pages, memory a peer maps)."""
+def pack_plan(state: Any) -> tuple[torch.Tensor, int, list[tuple[int, torch.Tensor]]]:
+    """What :func:`pack` does, left to the caller: (structure as uint8 pickle, payload bytes, each tensor's
+    flat bytes with its offset in the payload). Ring replication copies them in its own time."""
     skeleton, tensors, size = _strip(state)
-    payload = alloc(size) if alloc is not None else torch.empty(size, dtype=torch.uint8)
-    for r, flat in tensors:
-        payload[r.offset : r.offset + r.nbytes].copy_(flat)
-    return _meta(_Layout(skeleton, size, _segments([r for r, _ in tensors]))), payload
+    meta = _meta(_Layout(skeleton, size, _segments([r for r, _ in tensors])))
+    return meta, size, [(r.offset, flat) for r, flat in tensors]
+
+
+def pack(state: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """Return (structure as uint8 pickle, all tensor bytes as one uint8 buffer)."""
+    meta, size, sources = pack_plan(state)
+    payload = torch.empty(size, dtype=torch.uint8)
+    for offset, flat in sources:
+        payload[offset : offset + flat.numel()].copy_(flat)
+    return meta, payload
 
 
 def unpack(meta: torch.Tensor, payload: torch.Tensor) -> Any:

@@ -1,0 +1,133 @@
+"""The idle-class snapshot copy: the fence finishes what the idle thread did not, and a piece the idle
+thread still holds makes its destination unusable (the replicator redoes the round elsewhere) rather
+than something that may be overwritten after the optimizer step."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from torchpass_plugins import idle_copy
+from torchpass_plugins.idle_copy import IdleCopy, pieces
+from torchpass_plugins.ring_replication import RingReplicator
+from torchpass_plugins.state_transfer import unpack
+from torchpass_plugins.transport import PeerFailure
+
+TIMEOUT_S = 30
+
+
+def _sources(sizes: list[int]) -> tuple[torch.Tensor, list[tuple[int, torch.Tensor]]]:
+    """A zeroed destination and random flat sources laid out back to back in it."""
+    sources, offset = [], 0
+    for n in sizes:
+        sources.append((offset, torch.randint(1, 255, (n,), dtype=torch.uint8)))
+        offset += n
+    return torch.zeros(offset, dtype=torch.uint8), sources
+
+
+def _expected(dst: torch.Tensor, sources: list[tuple[int, torch.Tensor]]) -> torch.Tensor:
+    out = torch.zeros_like(dst)
+    for offset, src in sources:
+        out[offset : offset + src.numel()] = src
+    return out
+
+
+class _Holder:
+    """A copy function whose first call from the idle thread blocks until ``release``: the idle thread
+    then holds a piece, as when the scheduler starves it mid-copy."""
+
+    def __init__(self) -> None:
+        self.holding, self.release = threading.Event(), threading.Event()
+
+    def __call__(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        if threading.current_thread().name == "torchpass-idle-copy" and not self.holding.is_set():
+            self.holding.set()
+            assert self.release.wait(TIMEOUT_S)
+        dst.copy_(src)
+
+
+def _wait_settled(copy: IdleCopy) -> None:
+    deadline = time.monotonic() + TIMEOUT_S
+    while not copy.settled:
+        assert time.monotonic() < deadline, "the idle copier did not finish"
+        time.sleep(0.01)
+
+
+def test_pieces_cover_every_source_in_bounded_pieces():
+    dst, sources = _sources([3 * idle_copy.PIECE + 5, 7, idle_copy.PIECE])
+    pairs = pieces(dst, sources)
+    assert len(pairs) == 4 + 1 + 1
+    assert max(src.numel() for _, src in pairs) == idle_copy.PIECE
+    for d, s in pairs:
+        d.copy_(s)
+    assert torch.equal(dst, _expected(dst, sources))
+
+
+def test_left_alone_the_idle_thread_copies_everything():
+    dst, sources = _sources([2 * idle_copy.PIECE + 1, 100])
+    copy = IdleCopy(pieces(dst, sources))
+    assert copy.wait()
+    assert torch.equal(dst, _expected(dst, sources))
+    _wait_settled(copy)
+
+
+def test_finish_copies_what_the_idle_thread_did_not_start_and_waits_for_the_piece_it_holds():
+    dst, sources = _sources([5 * idle_copy.PIECE])
+    holder = _Holder()
+    copy = IdleCopy(pieces(dst, sources), copy=holder)
+    assert holder.holding.wait(TIMEOUT_S)
+    threading.Timer(0.2, holder.release.set).start()
+    assert copy.finish(grace_s=TIMEOUT_S)  # the other four here, then the held one once released
+    assert torch.equal(dst, _expected(dst, sources))
+    assert copy.wait()
+
+
+def test_a_piece_held_past_the_grace_is_reported_and_lands_only_later():
+    dst, sources = _sources([4 * idle_copy.PIECE])
+    holder = _Holder()
+    copy = IdleCopy(pieces(dst, sources), copy=holder)
+    assert holder.holding.wait(TIMEOUT_S)
+    assert not copy.finish(grace_s=0.05)
+    assert not copy.wait()  # the round waiting on it is told to give up
+    assert not copy.settled
+    expected = _expected(dst, sources)
+    held = [i for i in range(4) if not torch.equal(dst[i * idle_copy.PIECE : (i + 1) * idle_copy.PIECE],
+                                                   expected[i * idle_copy.PIECE : (i + 1) * idle_copy.PIECE])]
+    assert len(held) == 1  # every other piece was copied by the caller
+    holder.release.set()
+    _wait_settled(copy)
+    assert torch.equal(dst, expected)  # the late write
+
+
+class _NoPeer:
+    """A side group whose roster is always stale: a round packs, then its exchange fails at once."""
+
+    rank, world_size, pg = 0, 2, None
+
+    def stale(self) -> bool:
+        return True
+
+
+def test_the_fence_redoes_a_round_whose_copy_it_gave_up_on_into_another_segment(monkeypatch):
+    monkeypatch.setattr("torchpass_plugins.ring_replication.GRACE_S", 0.05)
+    holder = _Holder()
+    replicator = RingReplicator(_NoPeer(), every=1, copier=lambda pairs: IdleCopy(pairs, copy=holder))
+    state = {"w": torch.arange(3 * idle_copy.PIECE // 4, dtype=torch.float32)}
+    replicator.start_round(0, state, host=None)
+    assert holder.holding.wait(TIMEOUT_S)
+    with pytest.raises(PeerFailure, match="newer roster"):  # the redone round reached its exchange
+        replicator.fence()
+    [(abandoned, copy)] = replicator._abandoned
+    packed = replicator.own[0]
+    assert packed.payload.data_ptr() != abandoned.tensor.data_ptr()
+    assert torch.equal(unpack(packed.meta, packed.payload)["w"], state["w"])
+    assert replicator.host_bytes() == 2 * abandoned.nbytes + packed.meta.numel()
+    holder.release.set()
+    _wait_settled(copy)
+    replicator.start_round(1, state, host=None)  # the next round closes the abandoned segment
+    with pytest.raises(PeerFailure):
+        replicator.fence()
+    assert replicator._abandoned == []

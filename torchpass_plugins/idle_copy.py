@@ -1,0 +1,96 @@
+"""Copying a snapshot in the time its core would otherwise be idle, with the training thread as fallback.
+
+A replication round copies a rank's shard state (tens of MB) once per step. At normal priority that copy
+takes its CPU from the training thread on the same core; in a thread of the ``SCHED_IDLE`` class it runs
+only where the core has nothing else to run, as while the rank waits for a collective (measured: the
+round's share of a step fell from ~2% to ~0%). Such a thread may be starved, so whoever needs the copy
+done (the fence, before the optimizer step changes the sources) copies what the idle thread has not
+started. A piece the idle thread started may still be in its hands, and would land late, with sources the
+optimizer step may have changed meanwhile: :meth:`IdleCopy.finish` waits for it a short while, and if it
+does not finish, the destination must be abandoned until the idle thread is gone (:attr:`settled`).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable, Sequence
+
+import torch
+
+PIECE = 1 << 20  # bytes per piece: the most the fallback may have to wait for, or abandon
+
+
+def pieces(dst: torch.Tensor, sources: Sequence[tuple[int, torch.Tensor]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(destination, source) pairs of at most ``PIECE`` bytes that copy each flat uint8 source to its
+    offset in ``dst``."""
+    out = []
+    for offset, src in sources:
+        for lo in range(0, src.numel(), PIECE):
+            part = src[lo : lo + PIECE]
+            out.append((dst[offset + lo : offset + lo + part.numel()], part))
+    return out
+
+
+def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
+    dst.copy_(src)
+
+
+class IdleCopy:
+    """``pairs`` copied by a thread of the idle scheduling class, started at once; see the module docstring.
+    ``copy`` does one pair (tests hold a piece in the idle thread's hands with it)."""
+
+    def __init__(self, pairs: list[tuple[torch.Tensor, torch.Tensor]],
+                 copy: Callable[[torch.Tensor, torch.Tensor], None] = _copy) -> None:
+        self._pairs, self._copy = pairs, copy
+        self._next = 0  # the first pair nobody has claimed
+        self._done = 0
+        self._abandoned = False  # finish() gave up waiting for the idle thread
+        self._cond = threading.Condition()
+        self._thread = threading.Thread(target=self._run, name="torchpass-idle-copy", daemon=True)
+        self._thread.start()
+
+    def _claim(self) -> int | None:
+        with self._cond:
+            if self._next == len(self._pairs):
+                return None
+            self._next += 1
+            return self._next - 1
+
+    def _copied(self) -> None:
+        with self._cond:
+            self._done += 1
+            self._cond.notify_all()
+
+    def _run(self) -> None:
+        try:
+            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # this thread only (Linux)
+        except (AttributeError, OSError):
+            pass  # no idle class here: a normal background thread, as before
+        while (i := self._claim()) is not None:
+            self._copy(*self._pairs[i])
+            self._copied()
+
+    def wait(self) -> bool:
+        """Block until every pair is copied (True) or :meth:`finish` gave up on the idle thread (False)."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._done == len(self._pairs) or self._abandoned)
+            return not self._abandoned
+
+    def finish(self, grace_s: float) -> bool:
+        """Copy in this thread every pair the idle thread has not started, then wait up to ``grace_s`` for
+        the one it holds. False: it still holds one, so the destination may be written later."""
+        while (i := self._claim()) is not None:
+            self._copy(*self._pairs[i])
+            self._copied()
+        with self._cond:
+            if self._cond.wait_for(lambda: self._done == len(self._pairs), grace_s):
+                return True
+            self._abandoned = True
+            self._cond.notify_all()
+            return False
+
+    @property
+    def settled(self) -> bool:
+        """The idle thread is gone: nothing more will be written."""
+        return not self._thread.is_alive()
