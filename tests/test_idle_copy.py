@@ -131,3 +131,11 @@ def test_the_fence_redoes_a_round_whose_copy_it_gave_up_on_into_another_segment(
     with pytest.raises(PeerFailure):
         replicator.fence()
     assert replicator._abandoned == []
+
+
+def test_pieces_refuse_what_a_raw_copy_could_overrun():
+    dst, sources = _sources([100])
+    with pytest.raises(ValueError, match="overrun"):
+        pieces(dst[:50], sources)
+    with pytest.raises(ValueError, match="contiguous host bytes"):
+        pieces(dst, [(0, torch.zeros(10, 10, dtype=torch.uint8).t()[0])])

@@ -12,6 +12,7 @@ does not finish, the destination must be abandoned until the idle thread is gone
 
 from __future__ import annotations
 
+import ctypes
 import os
 import threading
 from collections.abc import Callable, Sequence
@@ -22,10 +23,16 @@ PIECE = 1 << 20  # bytes per piece: the most the fallback may have to wait for, 
 
 
 def pieces(dst: torch.Tensor, sources: Sequence[tuple[int, torch.Tensor]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """(destination, source) pairs of at most ``PIECE`` bytes that copy each flat uint8 source to its
-    offset in ``dst``."""
+    """(destination, source) pairs of at most ``PIECE`` bytes that copy each flat uint8 source (contiguous,
+    in host memory) to its offset in ``dst``."""
+    if not (dst.is_contiguous() and dst.dtype == torch.uint8 and dst.device.type == "cpu"):
+        raise ValueError("torchpass: an idle copy writes contiguous host bytes")
     out = []
     for offset, src in sources:
+        if not (src.is_contiguous() and src.dtype == torch.uint8 and src.device.type == "cpu"):
+            raise ValueError("torchpass: an idle copy reads contiguous host bytes")
+        if offset < 0 or offset + src.numel() > dst.numel():
+            raise ValueError(f"torchpass: {src.numel()} bytes at offset {offset} overrun a {dst.numel()}-byte buffer")
         for lo in range(0, src.numel(), PIECE):
             part = src[lo : lo + PIECE]
             out.append((dst[offset + lo : offset + lo + part.numel()], part))
@@ -33,7 +40,9 @@ def pieces(dst: torch.Tensor, sources: Sequence[tuple[int, torch.Tensor]]) -> li
 
 
 def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
-    dst.copy_(src)
+    """A plain ``memcpy`` of contiguous bytes, without the GIL: ``Tensor.copy_`` could hand a large piece to
+    intra-op threads, which would run at normal priority."""
+    ctypes.memmove(dst.data_ptr(), src.data_ptr(), src.numel())
 
 
 class IdleCopy:

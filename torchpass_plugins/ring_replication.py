@@ -1,12 +1,12 @@
 """Ring replication of shard state: rank r keeps a copy of rank r-1's shard in host memory.
 
-With fully sharded training no survivor holds a lost rank's parameters, so they must already be
-elsewhere when it dies. Every ``every`` steps, at a step boundary, each rank packs its shard state (local
-parameter shards and optimizer state) in a background thread and replicates it to its ring successor
-while receiving its predecessor's; training goes on meanwhile. A round must be complete before the step's
-first gradient reduction (:meth:`fence`), so a failure after that point always finds the boundary's shards
-replicated. Each rank keeps its own last two packed snapshots (to roll back in memory) and the last two
-complete replicas it received (double buffering: a round in flight never overwrites the one a recovery
+With fully sharded training no survivor holds a lost rank's parameters, so they must already be elsewhere
+when it dies. Every ``every`` steps, at a step boundary, each rank packs its shard state (local parameter
+shards and optimizer state) in the background (the copy where the core would be idle, :mod:`idle_copy`) and
+replicates it to its ring successor while receiving its predecessor's. A round must be complete before the
+step's first gradient reduction (:meth:`fence`), so a failure after that point always finds the boundary's
+shards replicated. Each rank keeps its own last two packed snapshots (to roll back in memory) and the last
+two complete replicas it received (double buffering: a round in flight never overwrites the one a recovery
 may need).
 
 A rank packs into segments of its own memory that a successor on the same host maps (:mod:`peer_memory`):
