@@ -75,7 +75,7 @@ class IdleCopy:
         try:
             os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # this thread only (Linux)
         except (AttributeError, OSError):
-            pass  # no idle class here: a normal background thread, as before
+            pass  # no idle class here: a normal background thread
         while (i := self._claim()) is not None:
             self._copy(*self._pairs[i])
             self._copied()

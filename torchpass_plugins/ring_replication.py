@@ -83,7 +83,7 @@ class RingReplicator:
         self.own.clear()
         self.replicas.clear()
         self._succ_maps = self._pred_mapped = None
-        self._thread, self._error = None, None
+        self._thread, self._copy, self._error = None, None, None
 
     def start_round(self, step: int, shard_state: Any, host: Any) -> None:
         """Copy and replicate this rank's shard state of boundary ``step`` in the background.
