@@ -39,7 +39,7 @@ def pieces(dst: torch.Tensor, sources: Sequence[tuple[int, torch.Tensor]]) -> li
     return out
 
 
-def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
+def copy_piece(dst: torch.Tensor, src: torch.Tensor) -> None:
     """A plain ``memcpy`` of contiguous bytes, without the GIL: ``Tensor.copy_`` could hand a large piece to
     intra-op threads, which would run at normal priority."""
     ctypes.memmove(dst.data_ptr(), src.data_ptr(), src.numel())
@@ -50,7 +50,7 @@ class IdleCopy:
     ``copy`` does one pair (tests hold a piece in the idle thread's hands with it)."""
 
     def __init__(self, pairs: list[tuple[torch.Tensor, torch.Tensor]],
-                 copy: Callable[[torch.Tensor, torch.Tensor], None] = _copy) -> None:
+                 copy: Callable[[torch.Tensor, torch.Tensor], None] = copy_piece) -> None:
         self._pairs, self._copy = pairs, copy
         self._next = 0  # the first pair nobody has claimed
         self._done = 0

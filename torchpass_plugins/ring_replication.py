@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from torchpass_plugins import faults
-from torchpass_plugins.idle_copy import IdleCopy, pieces
+from torchpass_plugins.idle_copy import IdleCopy, copy_piece, pieces
 from torchpass_plugins.peer_memory import Segment, SegmentId, map_peer
 from torchpass_plugins.state_transfer import pack_plan
 from torchpass_plugins.transport import PeerFailure, Transport
@@ -111,8 +111,8 @@ class RingReplicator:
                 if not copy.wait():
                     return  # given up on: the fence redoes this round
             else:
-                for dst, src in pieces(payload, sources):
-                    dst.copy_(src)
+                for pair in pieces(payload, sources):
+                    copy_piece(*pair)
             mine = Packed(meta, payload, host)
             self.own[step] = mine
             faults.point("replicate")

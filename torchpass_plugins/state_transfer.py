@@ -13,8 +13,9 @@ size from what was sent before it posts a receive. A receiver that knew the larg
 advance (a spare, told by the donor while it idles) takes them from a :class:`Landing` it allocated and
 touched then, so the transfer does not wait for the kernel to fault in fresh memory.
 
-:func:`pack` builds the same layout in one buffer (ring replication keeps it in host memory);
-:func:`send_packed` sends its segments as slices of that buffer, and :func:`recv_state` takes either.
+:func:`pack` builds the same layout in one buffer, and :func:`pack_plan` says where each tensor goes in
+it for a caller that copies in its own time (ring replication, into memory its successor maps);
+:func:`send_packed` sends its segments as slices of such a buffer, and :func:`recv_state` takes either.
 :func:`unpack` copies every tensor out of a packed buffer, which its caller may reuse.
 """
 
