@@ -32,13 +32,11 @@ import torch
 from torchpass_plugins import faults
 from torchpass_plugins.idle_copy import IdleCopy, copy_piece, pieces
 from torchpass_plugins.peer_memory import Segment, SegmentId, map_peer
-from torchpass_plugins.state_transfer import pack_plan
+from torchpass_plugins.state_transfer import fields_of, frame, pack_plan, structure_of
 from torchpass_plugins.transport import PeerFailure, Transport
 
 KEEP = 2
-_FIELDS = 7  # step, structure bytes, payload bytes, segment (pid, fd, device, inode)
-_HEADER = 1 << 14
-_INLINE = _HEADER - _FIELDS * 8  # structures up to this size travel in the header
+_FIELDS = 7  # of the header: step, structure bytes, payload bytes, segment (pid, fd, device, inode)
 GRACE_S = 0.1  # how long the fence waits for a piece the idle copier holds before it redoes the round
 
 
@@ -176,10 +174,10 @@ class RingReplicator:
             if side.stale() or side.pg is None:
                 raise PeerFailure("newer roster")
             where = self._segments[-1].id.to_list() if mine.payload.numel() else [-1] * 4  # just written
-            header = _header(step, mine, where)
+            header, rest = frame([step, mine.meta.numel(), mine.payload.numel(), *where], mine.meta)
             theirs = torch.empty_like(header)
             side.wait_all([side.pg.send([header], succ, 0), side.pg.recv([theirs], pred, 0)], "replication header")
-            got_step, meta_n, payload_n, *at = theirs[:_FIELDS * 8].view(torch.int64).tolist()
+            got_step, meta_n, payload_n, *at = fields_of(theirs, _FIELDS)
             retired = _retire_oldest(self.replicas)
             mapped = self._map(SegmentId(*at), payload_n)
             if self._pred_mapped is None:  # this generation's first round: settle both directions
@@ -188,14 +186,12 @@ class RingReplicator:
                 handshake = [side.pg.send([answer], pred, 3), side.pg.recv([reply], succ, 3)]
                 side.wait_all(handshake, "replication handshake")
                 self._succ_maps = bool(reply.item())
+            meta, rest_in = structure_of(theirs, _FIELDS, meta_n)
             works = []
-            if mine.meta.numel() > _INLINE:
-                works.append(side.pg.send([mine.meta], succ, 1))
-            if meta_n > _INLINE:
-                meta = torch.empty(meta_n, dtype=torch.uint8)
-                works.append(side.pg.recv([meta], pred, 1))
-            else:
-                meta = theirs[_FIELDS * 8 : _FIELDS * 8 + meta_n].clone()
+            if rest is not None:
+                works.append(side.pg.send([rest], succ, 1))
+            if rest_in is not None:
+                works.append(side.pg.recv([rest_in], pred, 1))
             if mine.payload.numel() and not self._succ_maps:
                 works.append(side.pg.send([mine.payload], succ, 2))
             payload = mapped
@@ -220,16 +216,6 @@ class RingReplicator:
             if self._pred_mapped:  # settled: the bytes will not come over the group; the predecessor died
                 raise PeerFailure(f"the predecessor's segment is gone: {exc}") from exc  # (its segment with it)
             return None
-
-
-def _header(step: int, mine: Packed, where: list[int]) -> torch.Tensor:
-    """One message: step, sizes and segment as int64 fields, then the structure if it fits (it is sent
-    apart otherwise); a round whose payload the successor maps needs no other message."""
-    header = torch.zeros(_HEADER, dtype=torch.uint8)
-    header[: _FIELDS * 8].view(torch.int64).copy_(torch.tensor([step, mine.meta.numel(), mine.payload.numel(), *where]))
-    if mine.meta.numel() <= _INLINE:
-        header[_FIELDS * 8 : _FIELDS * 8 + mine.meta.numel()] = mine.meta
-    return header
 
 
 def _retire_oldest(packs: dict[int, Packed]) -> Packed | None:

@@ -35,7 +35,7 @@ from torchpass_plugins.tree import map_leaves, tensors_in
 _ALIGN = 64  # every tensor starts at a multiple of this in the payload (any dtype can view it)
 _SMALL = 1 << 18  # tensors below this many bytes travel coalesced, one segment per run of them
 _PIECE = 1 << 23  # a large tensor travels in segments of at most this many bytes
-_FIRST = 1 << 15  # the first message: the two sizes, then the structure if it fits
+_FIRST = 1 << 15  # the first message: int64 fields (sizes), then as much of the structure as fits
 
 
 @dataclass(frozen=True)
@@ -222,16 +222,38 @@ def send_packed(transport: Transport, meta: torch.Tensor, payload: torch.Tensor,
     return _send(transport, meta, [payload[s.offset : s.offset + s.length] for s in _layout(meta).segments], dst)
 
 
+def frame(fields: list[int], meta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The first message of a transfer (``_FIRST`` bytes): ``fields`` as int64, then as much of the structure
+    ``meta`` as fits; and the rest of the structure, to send apart (None when it all fits)."""
+    first = torch.zeros(_FIRST, dtype=torch.uint8)
+    head = len(fields) * 8
+    first[:head].view(torch.int64).copy_(torch.tensor(fields, dtype=torch.int64))
+    inline = min(meta.numel(), _FIRST - head)
+    first[head : head + inline] = meta[:inline]
+    return first, (meta[inline:] if meta.numel() > inline else None)
+
+
+def fields_of(first: torch.Tensor, count: int) -> list[int]:
+    """The ``count`` int64 fields at the start of a first message (:func:`frame`)."""
+    return first[: count * 8].view(torch.int64).tolist()
+
+
+def structure_of(first: torch.Tensor, count: int, meta_n: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The ``meta_n``-byte structure of a first message with ``count`` fields, as far as it came in it; and
+    the part of it still to receive (None when it all came)."""
+    meta = torch.empty(meta_n, dtype=torch.uint8)
+    head = count * 8
+    inline = min(meta_n, _FIRST - head)
+    meta[:inline] = first[head : head + inline]
+    return meta, (meta[inline:] if meta_n > inline else None)
+
+
 def _send(transport: Transport, meta: torch.Tensor, parts: list[torch.Tensor], dst: int) -> int:
     """The first message (sizes, and the structure if it fits), the rest of the structure, the segments:
     all posted at once, waited for together."""
     moved = sum(p.numel() for p in parts)
-    first = torch.zeros(_FIRST, dtype=torch.uint8)
-    first[:16].view(torch.int64).copy_(torch.tensor([meta.numel(), moved]))
-    inline = min(meta.numel(), _FIRST - 16)
-    first[16 : 16 + inline] = meta[:inline]
-    rest = [meta[inline:]] if meta.numel() > inline else []
-    _transfer(transport, "send", [first, *rest, *parts], dst)
+    first, rest = frame([meta.numel(), moved], meta)
+    _transfer(transport, "send", [first, *([] if rest is None else [rest]), *parts], dst)
     return meta.numel() + moved
 
 
@@ -240,12 +262,10 @@ def recv_state(transport: Transport, src: int, landing: Landing | None = None) -
     their shape and dtype match; returns (state, bytes moved)."""
     first = torch.empty(_FIRST, dtype=torch.uint8)
     transport.recv(first, src)
-    meta_n, moved = first[:16].view(torch.int64).tolist()
-    meta = torch.empty(meta_n, dtype=torch.uint8)
-    inline = min(meta_n, _FIRST - 16)
-    meta[:inline] = first[16 : 16 + inline]
-    if meta_n > inline:
-        transport.recv(meta[inline:], src)
+    meta_n, moved = fields_of(first, 2)
+    meta, rest = structure_of(first, 2, meta_n)
+    if rest is not None:
+        transport.recv(rest, src)
     layout = _layout(meta)
     refs = _refs(layout.skeleton)
     tensors: list[torch.Tensor | None] = [None] * len(refs)
