@@ -28,14 +28,14 @@ def test_buckets_average_and_keep_local_gradients_that_alias_last_steps_buckets(
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2))
     # A divisor of 2 over a one-rank group: the sum is the local gradient, so the result is half of it.
-    buckets = GradientBuckets(model.parameters(), cap_bytes=300)
+    buckets = GradientBuckets(model.parameters(), world_size=2, cap_bytes=300)
     assert len(buckets.buckets) > 1
 
     buckets.overlap_with(transport)  # buckets are issued during backward
     model(torch.randn(4, 8)).sum().backward()
     local = {name: p.grad.clone() for name, p in model.named_parameters()}
     buckets.complete(transport)
-    buckets.write_back(world_size=2)
+    buckets.write_back()
     for name, p in model.named_parameters():
         assert torch.equal(p.grad, local[name] / 2)
         assert p.grad.untyped_storage().data_ptr() != local[name].untyped_storage().data_ptr()
@@ -51,7 +51,7 @@ def test_buckets_average_and_keep_local_gradients_that_alias_last_steps_buckets(
         buckets.complete(transport)
         for name in local:
             assert torch.equal(old_views[name], local[name])  # a retry could still start from them
-        buckets.write_back(world_size=2)
+        buckets.write_back()
         for name, p in model.named_parameters():
             assert torch.equal(p.grad, local[name] / 2)
     member.close()

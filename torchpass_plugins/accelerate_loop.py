@@ -149,7 +149,7 @@ class TorchPass:
             if isinstance(model, nn.parallel.DistributedDataParallel):
                 model.forward = model.module.forward  # gradients are reduced by the buckets below, not DDP
         params = [p for opt in optimizers for group in opt.param_groups for p in group["params"]]
-        self._buckets = GradientBuckets(params)
+        self._buckets = GradientBuckets(params, self.runtime.world_size)
         self._wrap_backward(accelerator)
         inner = optimizers[0].optimizer if hasattr(optimizers[0], "optimizer") else optimizers[0]
         inner.register_step_pre_hook(self._before_optimizer_step)
@@ -222,7 +222,7 @@ class TorchPass:
             original(loss, **kwargs)
             if sync:  # the step's last micro-batch: reduce and commit, as DDP would have reduced by now
                 rt.reduce_gradients(buckets)
-                buckets.write_back(rt.world_size)
+                buckets.write_back()
                 self._reduced = True
 
         accelerator.backward = backward

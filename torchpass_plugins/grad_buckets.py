@@ -5,7 +5,8 @@ so a spare builds exactly the same layout as its predecessor: each element is su
 which is what makes recovery bit-exact. During the backward of the step's last micro-batch, a bucket is
 issued as soon as its gradients are ready *and* every lower bucket was issued, so every rank issues the
 same sequence. The local gradients are copied into the buckets, never reduced in place, so a failed
-reduction can be retried from them.
+reduction can be retried from them. The copy multiplies by ``1 / world_size`` (as DDP's reducer does), so
+the reduced bucket already holds the average and no second pass over the gradients is needed.
 
 Each bucket has two flat buffers, allocated once and used in alternate steps (a fresh allocation per
 step costs the kernel's page zeroing every step): after a step the gradients are views of one buffer,
@@ -25,7 +26,8 @@ from torchpass_plugins.transport import PeerFailure, Transport
 
 
 class GradientBuckets:
-    def __init__(self, params: Iterable[nn.Parameter], cap_bytes: int = 4 * 2**20) -> None:
+    def __init__(self, params: Iterable[nn.Parameter], world_size: int, cap_bytes: int = 4 * 2**20) -> None:
+        self._scale = 1.0 / world_size
         self.params = [p for p in params if p.requires_grad]
         self.buckets: list[list[nn.Parameter]] = []
         for p in reversed(self.params):
@@ -74,7 +76,7 @@ class GradientBuckets:
             if p.grad is None:
                 view.zero_()
             else:
-                view.copy_(p.grad.reshape(-1))
+                torch.mul(p.grad.reshape(-1), self._scale, out=view)
             offset += p.numel()
         self._buffers.append(flats[b])
         work = None
@@ -102,10 +104,9 @@ class GradientBuckets:
                 raise PeerFailure(f"all_reduce of gradient bucket {b} could not be issued")
             transport.wait(work, f"all_reduce of gradient bucket {b}")
 
-    def write_back(self, world_size: int) -> None:
-        """Replace each gradient with its average over the ranks."""
+    def write_back(self) -> None:
+        """Replace each gradient with its average over the ranks: a view of its reduced bucket."""
         for bucket, buf in zip(self.buckets, self._buffers, strict=True):
-            buf.div_(world_size)
             offset = 0
             for p in bucket:
                 p.grad = buf[offset : offset + p.numel()].view_as(p)

@@ -188,7 +188,7 @@ class TorchPassDDPStrategy(ParallelStrategy):
     def setup_optimizers(self, trainer) -> None:
         super().setup_optimizers(trainer)
         params = [p for opt in self.optimizers for group in opt.param_groups for p in group["params"]]
-        self._buckets = GradientBuckets(params, int(self._bucket_cap_mb * 2**20))
+        self._buckets = GradientBuckets(params, self.world_size, int(self._bucket_cap_mb * 2**20))
 
     @override
     def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model=None, **kwargs: Any) -> Any:
@@ -196,7 +196,7 @@ class TorchPassDDPStrategy(ParallelStrategy):
             self._buckets.overlap_with(self.runtime.transport)
             result = closure()
             self.runtime.reduce_gradients(self._buckets)
-            self._buckets.write_back(self.world_size)
+            self._buckets.write_back()
             return result
 
         result = super().optimizer_step(optimizer, closure_then_reduce, model, **kwargs)
