@@ -35,9 +35,9 @@ lane() {
 
 status=0
 if [[ ${#mode[@]} -eq 0 ]]; then
-  lane regain overhead fsdp_replication snapshot_stall accelerate_loop state_transfer torchft_compare || status=$?
+  lane regain overhead reduction_ab fsdp_replication snapshot_stall accelerate_loop state_transfer torchft_compare || status=$?
 else
-  (lane accelerate_loop regain snapshot_stall 2>&1 | sed -u 's/^/[lane 1] /') &
+  (lane accelerate_loop regain snapshot_stall reduction_ab 2>&1 | sed -u 's/^/[lane 1] /') &
   first=$!
   lane overhead fsdp_replication torchft_compare state_transfer 2>&1 | sed -u 's/^/[lane 2] /' || status=$?
   wait "${first}" || status=$?

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from datetime import timedelta
 
+import pytest
 import torch
 from torch import nn
 
@@ -32,6 +33,8 @@ def test_buckets_average_and_keep_local_gradients_that_alias_last_steps_buckets(
     assert len(buckets.buckets) > 1
 
     buckets.overlap_with(transport)  # buckets are issued during backward
+    with pytest.raises(RuntimeError, match="before every gradient bucket was reduced"):
+        buckets.write_back()
     model(torch.randn(4, 8)).sum().backward()
     local = {name: p.grad.clone() for name, p in model.named_parameters()}
     buckets.complete(transport)

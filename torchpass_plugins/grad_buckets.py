@@ -39,6 +39,7 @@ class GradientBuckets:
                 self.buckets.append([p])
         self._bucket_of = {id(p): i for i, bucket in enumerate(self.buckets) for p in bucket}
         self._flat: list[list[torch.Tensor]] = [[], []]  # per parity: one flat buffer per bucket
+        self._views: list[list[list[torch.Tensor]]] = [[], []]  # per parity and bucket: each gradient's view
         self._parity = 0
         self._overlapping: Transport | None = None
         self._ready = [0] * len(self.buckets)
@@ -70,14 +71,12 @@ class GradientBuckets:
         bucket, flats = self.buckets[b], self._flat[self._parity]
         if len(flats) == b:
             flats.append(torch.empty(sum(p.numel() for p in bucket), dtype=bucket[0].dtype, device=bucket[0].device))
-        offset = 0
-        for p in bucket:
-            view = flats[b][offset : offset + p.numel()]
+            self._views[self._parity].append(_views_of(flats[b], bucket))
+        for p, view in zip(bucket, self._views[self._parity][b], strict=True):
             if p.grad is None:
                 view.zero_()
             else:
-                torch.mul(p.grad.reshape(-1), self._scale, out=view)
-            offset += p.numel()
+                torch.mul(p.grad, self._scale, out=view)
         self._buffers.append(flats[b])
         work = None
         if transport.pg is not None and not transport.stale():
@@ -106,8 +105,17 @@ class GradientBuckets:
 
     def write_back(self) -> None:
         """Replace each gradient with its average over the ranks: a view of its reduced bucket."""
-        for bucket, buf in zip(self.buckets, self._buffers, strict=True):
-            offset = 0
-            for p in bucket:
-                p.grad = buf[offset : offset + p.numel()].view_as(p)
-                offset += p.numel()
+        if len(self._buffers) != len(self.buckets):
+            raise RuntimeError("torchpass: write_back before every gradient bucket was reduced")
+        for bucket, views in zip(self.buckets, self._views[self._parity], strict=True):
+            for p, view in zip(bucket, views, strict=True):
+                p.grad = view
+
+
+def _views_of(flat: torch.Tensor, bucket: list[nn.Parameter]) -> list[torch.Tensor]:
+    """Each parameter's gradient-shaped view of its span of ``flat``, made once per buffer."""
+    views, offset = [], 0
+    for p in bucket:
+        views.append(flat[offset : offset + p.numel()].view_as(p))
+        offset += p.numel()
+    return views

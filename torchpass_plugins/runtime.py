@@ -408,27 +408,28 @@ class Runtime:
         """This rank's row: a 1 at the index of a rank the coordinator asked to migrate (if this rank has
         seen that notice), and this rank's median compute time per step at ``world_size + rank``."""
         w = self.world_size
-        row = torch.zeros(2 * w, dtype=torch.float64)
+        row = [0.0] * (2 * w)  # built in Python: one tensor op instead of several, on the step's hot path
         notice = self.member.drain_notice
         if notice is not None and self.member.roster(self.transport.gen).ranks[notice["rank"]] != notice["worker"]:
             self.member.drain_carried_out()  # stale: that worker no longer holds the rank
             notice = None
         if notice is not None:
-            row[notice["rank"]] = 1
+            row[notice["rank"]] = 1.0
         row[w + self.rank] = self.timer.median
-        return row
+        return torch.tensor(row, dtype=torch.float64)
 
     def take_signals(self, total: torch.Tensor, step: int, drain_at: int) -> None:
         """``total``: the sum of every rank's :meth:`signals` at step ``step``, the same on every rank, so
         every rank takes the same decisions: the migration (at boundary ``drain_at``) and the verdict."""
         w = self.world_size
-        asked = torch.nonzero(total[:w]).flatten().tolist()
-        if asked and self.drain is None:
-            self.drain = (drain_at, asked[0], self.member.roster(self.transport.gen).ranks[asked[0]])
+        values = total.tolist()
+        asked = next((r for r in range(w) if values[r]), None)
+        if asked is not None and self.drain is None:
+            self.drain = (drain_at, asked, self.member.roster(self.transport.gen).ranks[asked])
         window = self.timer.window
         if window and step and step % window == 0 and self._judged != step:
             self._judged = step
-            self._judge(total[w:].tolist(), step)
+            self._judge(values[w:], step)
 
     def _judge(self, medians: list[float], step: int) -> None:
         slow = stragglers(medians, self.env.straggler_factor)
