@@ -55,7 +55,6 @@ class GradientBuckets:
         self._restart()
 
     def _restart(self) -> None:
-        self._buffers: list[torch.Tensor] = []
         self._works: list[tuple[int, dist.Work | None]] = []  # (generation, work) per issued bucket
 
     def _on_grad(self, p: nn.Parameter) -> None:
@@ -77,11 +76,10 @@ class GradientBuckets:
                 view.zero_()
             else:
                 torch.mul(p.grad, self._scale, out=view)
-        self._buffers.append(flats[b])
         work = None
         if transport.pg is not None and not transport.stale():
             try:
-                work = transport.pg.allreduce([self._buffers[b]])
+                work = transport.pg.allreduce([flats[b]])
                 transport.track(work)
             except RuntimeError:
                 pass  # a broken group: reported when the bucket is waited for
@@ -105,7 +103,7 @@ class GradientBuckets:
 
     def write_back(self) -> None:
         """Replace each gradient with its average over the ranks: a view of its reduced bucket."""
-        if len(self._buffers) != len(self.buckets):
+        if len(self._works) != len(self.buckets):
             raise RuntimeError("torchpass: write_back before every gradient bucket was reduced")
         for bucket, views in zip(self.buckets, self._views[self._parity], strict=True):
             for p, view in zip(bucket, views, strict=True):
