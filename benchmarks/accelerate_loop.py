@@ -1,6 +1,6 @@
 """The Accelerate loop API: steady-state step time with and without torchpass, and regain after a SIGKILL.
 
-Overhead: ``benchmarks/bench_accelerate.py`` under ``accelerate launch --num_processes 3 -m
+Overhead: ``benchmarks/bench_accelerate.py`` under ``accelerate launch --multi_gpu --num_processes 3 -m
 torchpass_plugins.run --spares 0`` (protected) vs the same script under plain ``accelerate launch
 --num_processes 3`` (``TorchPass`` passes through; Accelerate's DDP reduces), runs interleaved. Regain:
 4 processes with 1 spare, logical rank 1 SIGKILLed in the gradient reduction of a step; from the victim's
@@ -127,9 +127,9 @@ def render(size: Size, times: dict[str, list[float]], regains: list[dict[str, fl
         f"- Step time: {STEADY_RANKS} ranks, each pinned to one core, no accumulation, median of rank 0's "
         f"step-to-step deltas over steps {size.warmup}..{size.steps - 1}; each repetition runs protected and "
         "plain back to back (in turn first). "
-        f"Protected: `accelerate launch --num_processes {STEADY_RANKS} -m torchpass_plugins.run --spares 0`; "
-        f"plain: `accelerate launch --num_processes {STEADY_RANKS}` (Accelerate's DDP; `TorchPass` passes "
-        f"through); {STEADY_NOTE}.",
+        f"Protected: `accelerate launch --multi_gpu --num_processes {STEADY_RANKS} -m torchpass_plugins.run "
+        f"--spares 0`; plain: `accelerate launch --multi_gpu --num_processes {STEADY_RANKS}` (Accelerate's DDP; "
+        f"`TorchPass` passes through); {STEADY_NOTE}.",
         "",
         "| Loop | Runs | Median step (ms) | Min-max of run medians (ms) |",
         "|---|---|---|---|",

@@ -6,6 +6,8 @@ import pytest
 import torch
 from jobs import Job, run
 
+from torchpass_plugins.chaos.oracle import differences
+
 STEPS = 20
 
 
@@ -28,7 +30,9 @@ def reference(tmp_path_factory):
 
 
 def assert_bit_exact(job: Job, codes: list[int], ref: Job, world: int = 3, steps: int = STEPS) -> None:
-    """Same final weights bit for bit, every optimizer step applied exactly once on every logical rank."""
+    """Every logical rank ends with the failure-free run's full state, bit for bit (parameters, buffers,
+    optimizer, schedulers, loop progress, metric states, ``callback_metrics``, RNG), having applied every
+    optimizer step exactly once; no process is left behind."""
     assert all(code == 0 for code in codes), job.output()[-4000:]
     final, expected = job.final(), ref.final()
     assert final["global_step"] == steps
@@ -36,5 +40,7 @@ def assert_bit_exact(job: Job, codes: list[int], ref: Job, world: int = 3, steps
     for name, tensor in expected["weights"].items():
         assert torch.equal(final["weights"][name], tensor), f"{name} differs from the failure-free run"
     for rank in range(world):
+        found = differences(ref.state(rank), job.state(rank), f"rank{rank}")
+        assert not found, "differs from the failure-free run:\n" + "\n".join(found[:20])
         assert job.applied(rank) == list(range(steps)), f"rank {rank} applied {job.applied(rank)}"
     assert job.leftovers() == []

@@ -1,6 +1,8 @@
-"""A plain Accelerate loop (``examples/accelerate/train.py``: AdamW, a scheduler, a shuffled loader through
-``prepare``, gradient accumulation 2, dropout) under ``accelerate launch`` with the torchpass supervisor:
-a killed worker is replaced live and the run ends bit-identical to the failure-free one."""
+"""A plain Accelerate loop (``examples/accelerate/train.py``: AdamW with two parameter groups, gradient
+clipping, a scheduler, a shuffled loader through ``prepare``, gradient accumulation 2, dropout, an evaluation
+per epoch through ``gather_for_metrics``, a stateful object of the script's own) under ``accelerate launch``
+with the torchpass supervisor: a killed worker is replaced live and every rank ends with the failure-free
+run's full state, bit for bit."""
 
 from __future__ import annotations
 
@@ -12,7 +14,8 @@ import pytest
 import torch
 from jobs import REPO, Job, free_port, run, run_command
 
-from torchpass_plugins.accelerate_loop import TorchPass, UnprotectedRunWarning, check_loader
+from torchpass_plugins.accelerate_loop import TorchPass, UnprotectedRunWarning, check_layout, check_loader
+from torchpass_plugins.chaos.oracle import differences
 from torchpass_plugins.errors import ConfigError
 
 EXAMPLE = REPO / "examples" / "accelerate" / "train.py"
@@ -44,12 +47,31 @@ def test_a_killed_worker_of_an_accelerate_loop_is_replaced_bit_exactly(tmp_path,
     job = _accelerate(tmp_path, processes=4, spares=1, faults=fault)
     assert [e["rank"] for e in job.events("failure_detected")] == [int(fault.split("rank=")[1][0])]
     assert len(job.events("state_received")) == 1
-    final, expected = job.final(), failure_free.final()
-    assert final["applied"] == expected["applied"] == STEPS
-    for name, tensor in expected["weights"].items():
-        assert torch.equal(final["weights"][name], tensor), f"{name} differs from the failure-free run"
+    assert job.final()["applied"] == failure_free.final()["applied"] == STEPS
+    assert_same_state(job, failure_free)
     for rank in range(3):  # every optimizer step applied exactly once on every logical rank
         assert job.applied(rank) == list(range(STEPS)), f"rank {rank} applied {job.applied(rank)}"
+
+
+def assert_same_state(job: Job, expected: Job) -> None:
+    """Every rank's model, optimizer, scheduler, the script's own state and RNG, as in ``expected``."""
+    for rank in range(3):
+        found = differences(expected.state(rank), job.state(rank), f"rank{rank}")
+        assert not found, "differs from the failure-free run:\n" + "\n".join(found[:20])
+
+
+def test_a_rank_lost_in_an_evaluation_gather_no_one_completed_never_yields_local_data(tmp_path, failure_free):
+    """The evaluation after epoch 0's last step: rank 1 dies before its second ``gather_for_metrics``. No
+    survivor completed that gather and a spare enters only at a step boundary, so no survivor may go on
+    with a result of fewer ranks: the job says so and restarts (from the start: this loop writes no
+    snapshots), and ends with the failure-free run's state."""
+    job = _accelerate(tmp_path, processes=4, spares=1, faults="kill@rank=1,step=7,phase=collective,micro=1")
+    [restart] = job.events("job_restart")
+    assert "no other rank had completed" in restart["message"]
+    printed = [line for line in job.output().splitlines() if line.startswith("epoch 0:")]
+    [expected] = [line for line in failure_free.output().splitlines() if line.startswith("epoch 0:")]
+    assert printed and set(printed) == {expected}  # no value of fewer ranks was ever printed
+    assert_same_state(job, failure_free)
 
 
 def test_without_a_supervisor_the_loop_runs_unprotected_after_one_warning(monkeypatch):
@@ -73,3 +95,12 @@ def test_a_shuffled_loader_without_a_seedable_sampler_is_refused_with_the_fix():
         check_loader(plain)
     seeded = Accelerator(cpu=True, dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True))
     check_loader(seeded.prepare(DataLoader(data, batch_size=2, shuffle=True)))
+
+
+def test_an_accelerator_that_does_not_see_the_jobs_ranks_is_refused():
+    from types import SimpleNamespace
+
+    runtime = SimpleNamespace(world_size=3, rank=1)
+    with pytest.raises(ConfigError, match=r"sees 1 process\(es\).*Accelerator\(cpu=True\)"):
+        check_layout(SimpleNamespace(num_processes=1, process_index=0), runtime)
+    check_layout(SimpleNamespace(num_processes=3, process_index=1), runtime)

@@ -111,3 +111,36 @@ def test_a_node_with_the_wrong_join_token_is_refused_once_and_stops(tmp_path):
     finally:
         os.killpg(node0.pid, signal.SIGKILL)
         node0.wait()
+
+
+FEATURE_JOB = Path(__file__).parent / "scripts" / "feature_job.py"
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize(
+    ("feature", "strategy", "message"),
+    [
+        ("iterable", "torchpass_ddp", "reads an IterableDataset"),
+        ("manual", "torchpass_fsdp", "manual optimization (automatic_optimization = False) is not supported"),
+        ("lbfgs", "torchpass_ddp", "the LBFGS optimizer is not supported"),
+        ("sync_batchnorm", "torchpass_fsdp", "Trainer(sync_batchnorm=True) is not supported"),
+    ],
+)
+def test_a_feature_no_spare_could_continue_is_refused_before_training(tmp_path, feature, strategy, message):
+    job, codes = run(tmp_path, nproc=3, spares=1, script=FEATURE_JOB,
+                     train_args=("--feature", feature, "--strategy", strategy))
+    assert codes == [1], job.output()[-3000:]
+    assert message in job.output() and "configuration error" in job.output()
+    assert job.events("step_applied") == [] and job.events("progress") == []
+    assert len(job.events("worker_started")) == 3  # stopped, not handed to the spare
+    assert job.leftovers() == []
+
+
+@pytest.mark.timeout(240)
+def test_an_error_every_spare_repeats_stops_the_job_instead_of_looping(tmp_path):
+    job, codes = run(tmp_path, nproc=3, spares=1, script=FEATURE_JOB, train_args=("--feature", "crash_loop"))
+    assert codes == [1], job.output()[-3000:]
+    assert "two spares promoted to rank 1 failed the same way before completing a step" in job.output()
+    assert "rank 1 breaks at step 3" in job.output()
+    assert len(job.events("failure_detected")) == 2  # the first rank 1, then its first spare: not a loop
+    assert job.leftovers() == []

@@ -6,6 +6,7 @@ import torch
 from conftest import STEPS, assert_bit_exact
 from jobs import run
 
+from torchpass_plugins.chaos.oracle import differences
 from torchpass_plugins.snapshot_store import SnapshotStore
 
 FSDP = ("--strategy", "torchpass_fsdp")
@@ -79,7 +80,7 @@ def test_a_sharded_checkpoint_restores_every_shard(tmp_path):
     job, codes = run(tmp_path / "save", nproc=3, spares=0, train_args=(*steps, "--save-checkpoint", str(ckpt)))
     assert codes == [0], job.output()[-3000:]
     assert (ckpt / ".metadata").is_file() and (ckpt / "lightning.pt").is_file()  # DCP shards + the rest
-    saved = job.final()
+    saved, saved_job = job.final(), job
     # Resuming at the saved step runs no step: what comes out is exactly what was loaded.
     job, codes = run(tmp_path / "load", nproc=3, spares=0, train_args=(*steps, "--resume", str(ckpt)))
     assert codes == [0], job.output()[-3000:]
@@ -87,3 +88,6 @@ def test_a_sharded_checkpoint_restores_every_shard(tmp_path):
     assert (loaded["global_step"], loaded["adam_steps"]) == (saved["global_step"], saved["adam_steps"])
     for name, tensor in saved["weights"].items():
         assert torch.equal(loaded["weights"][name], tensor), name
+    for rank in range(3):  # each rank's own shard and buffers (BatchNorm statistics differ between ranks)
+        found = differences(saved_job.state(rank)["module"], job.state(rank)["module"], f"rank{rank}")
+        assert not found, "\n".join(found[:10])

@@ -1,4 +1,4 @@
-"""Small pieces with no training: per-step RNG, fault specs, the resume sampler, launch validation."""
+"""Small pieces with no training: per-step RNG, fault specs, launch validation."""
 
 from __future__ import annotations
 
@@ -8,12 +8,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch.utils.data import DistributedSampler
 
 from torchpass_plugins import rng
 from torchpass_plugins.faults import Fault
 from torchpass_plugins.launcher import LaunchConfig
-from torchpass_plugins.sampler import ResumeSampler
 
 
 def test_step_seeds_are_distinct_and_stable():
@@ -36,19 +34,10 @@ def test_fault_parse():
     assert Fault.parse("stop@rank=0,step=2") == Fault("stop", 0, 2, "boundary")
     with pytest.raises(ValueError, match="phases"):
         Fault.parse("kill@rank=1,step=5,phase=nowhere")
-
-
-def test_resume_sampler_skips_only_the_resumed_epoch():
-    inner = DistributedSampler(range(40), num_replicas=2, rank=1, shuffle=True, seed=3)
-    inner.set_epoch(2)
-    full = list(inner)
-    sampler = ResumeSampler(inner, skip=6, epoch=2)
-    assert list(sampler) == full[6:]
-    assert len(sampler) == len(full)
-    sampler.set_epoch(3)
-    inner_next = DistributedSampler(range(40), num_replicas=2, rank=1, shuffle=True, seed=3)
-    inner_next.set_epoch(3)
-    assert list(sampler) == list(inner_next)
+    between = Fault.parse("kill@rank=2,step=4,phase=data,micro=2")
+    assert between == Fault("kill", 2, 4, "data", micro=2) and str(between) == "kill@rank=2,step=4,phase=data,micro=2"
+    assert [between.matches(2, 4, "data", reached) for reached in range(4)] == [False, False, True, False]
+    assert Fault.parse("kill@rank=2,step=4,phase=data").matches(2, 4, "data", 3)  # no micro: any time
 
 
 @pytest.mark.parametrize(

@@ -50,7 +50,7 @@ log = logging.getLogger(__name__)
 UNPROTECTED = (
     "torchpass: this process was not started by a torchpass supervisor, so the loss of any worker will end "
     "the job (accelerate launch's agent stops every process when one dies). To survive it, launch with "
-    "`accelerate launch --num_processes N -m torchpass_plugins.run --spares S train.py` "
+    "`accelerate launch --multi_gpu --num_processes N -m torchpass_plugins.run --spares S train.py` "
     "or `torchpass launch --nproc-per-node N --spares S train.py`."
 )
 
@@ -61,6 +61,18 @@ class UnprotectedRunWarning(UserWarning):
 
 def _stateful(obj: Any) -> bool:
     return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
+
+
+def check_layout(accelerator: Any, runtime: Runtime) -> None:
+    """Refuse an ``Accelerator`` that does not see the job's ranks: it would shard the data and reduce as
+    a single process (on a CPU machine without ``cpu=True``), and every rank would train on everything."""
+    if (accelerator.num_processes, accelerator.process_index) != (runtime.world_size, runtime.rank):
+        raise ConfigError(
+            f"torchpass: the Accelerator sees {accelerator.num_processes} process(es) with this one at index "
+            f"{accelerator.process_index}, but the job has {runtime.world_size} active ranks and this is rank "
+            f"{runtime.rank}: it did not join the job's process group. On a CPU machine pass "
+            "Accelerator(cpu=True); otherwise check that nothing initialized torch.distributed before TorchPass()."
+        )
 
 
 def check_loader(loader: Any) -> None:
@@ -113,6 +125,7 @@ class TorchPass:
         os.environ.setdefault("MASTER_PORT", port)
         world_group.install(rt)
         rt.adapter = self
+        rt.rank_state = None
         rt.events.source = f"rank{rt.rank}"
         rt.events.emit("worker_ready", worker=rt.env.worker_id, rank=rt.rank, spare=rt.is_spare)
         if rt.is_spare:
@@ -138,6 +151,7 @@ class TorchPass:
                 f"(returned by accelerator.prepare); got {len(models)} model(s), {len(optimizers)} "
                 f"optimizer(s), {len(loaders)} prepared loader(s)"
             )
+        check_layout(accelerator, self.runtime)
         check_loader(loaders[0])
         for name, obj in objects.items():
             if not (_stateful(obj) or isinstance(obj, DataLoaderShard)):

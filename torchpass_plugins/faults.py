@@ -3,7 +3,8 @@
 ``TORCHPASS_FAULTS="kill@rank=1,step=5,phase=reduce;stop@rank=2,step=9"`` makes the worker holding
 logical rank 1 SIGKILL itself at step 5 while the gradient all-reduce is in flight, and so on. Each
 fault fires once per run (a marker file in the run directory), so the spare that replays the step does
-not fail again. Leaving out ``rank`` or ``step`` matches any.
+not fail again. Leaving out ``rank`` or ``step`` matches any. ``micro=K`` strikes at the K-th time (from 0)
+the step reaches the phase: ``phase=data,micro=2`` is between a step's second and third micro-batch.
 
 Actions: ``kill`` (SIGKILL), ``exit`` (``os._exit(3)``), ``raise`` (an exception in the thread that reaches
 the point), ``stop`` (SIGSTOP: a hang), ``spin`` (a busy loop that never releases the GIL: every thread of
@@ -22,7 +23,10 @@ before the exchange), ``snapshot`` (the snapshot thread, before this rank's file
 run at boundaries the job chooses, so for them ``step`` means the first one at or after it. A recovery:
 ``survivor`` (a survivor joined the new group, before the agreement), ``donor`` (before sending state to a
 spare), ``promoted`` (a promoted spare, before receiving its state); for these, ``step`` is the boundary the
-rank last passed (-1 for a spare), so they are usually given without one.
+rank last passed (-1 for a spare), so they are usually given without one. The user's own collectives:
+``collective`` (before an operation of the default ``torch.distributed`` group, which the user's code and
+libraries call: an evaluation's ``gather_for_metrics``, torchmetrics' synchronization), ``step`` being the
+boundary last passed; with ``micro=K``, the K-th such operation after it.
 """
 
 from __future__ import annotations
@@ -37,7 +41,8 @@ ACTIONS = ("kill", "exit", "raise", "stop", "spin", "stall", "slow", "kill-agent
 STEP_PHASES = ("boundary", "data", "forward", "backward", "reduce", "commit", "optimizer")
 BACKGROUND_PHASES = ("replicate", "snapshot")
 RECOVERY_PHASES = ("survivor", "donor", "promoted")
-PHASES = STEP_PHASES + BACKGROUND_PHASES + RECOVERY_PHASES
+USER_PHASES = ("collective",)
+PHASES = STEP_PHASES + BACKGROUND_PHASES + RECOVERY_PHASES + USER_PHASES
 
 
 @dataclass(frozen=True)
@@ -47,6 +52,7 @@ class Fault:
     step: int | None = None  # None: any step
     phase: str = "boundary"
     seconds: float = 0.0  # ``slow``: the sleep per step
+    micro: int | None = None  # the how-manieth time within the step the phase is reached (None: any)
 
     @classmethod
     def parse(cls, text: str) -> Fault:
@@ -54,7 +60,8 @@ class Fault:
         try:
             fields = dict(part.split("=", 1) for part in rest.split(",") if part)
             rank, step = (int(fields[k]) if k in fields else None for k in ("rank", "step"))
-            fault = cls(action, rank, step, fields.get("phase", "boundary"), float(fields.get("seconds", 0)))
+            micro = int(fields["micro"]) if "micro" in fields else None
+            fault = cls(action, rank, step, fields.get("phase", "boundary"), float(fields.get("seconds", 0)), micro)
         except ValueError as exc:
             raise ValueError(f"bad fault {text!r}: {exc}; write ACTION@rank=R,step=S,phase=P") from None
         if fault.action not in ACTIONS or fault.phase not in PHASES:
@@ -66,10 +73,13 @@ class Fault:
         fields.append(f"phase={self.phase}")
         if self.seconds:
             fields.append(f"seconds={self.seconds:g}")
+        if self.micro is not None:
+            fields.append(f"micro={self.micro}")
         return f"{self.action}@{','.join(fields)}"
 
-    def matches(self, rank: int, step: int, phase: str) -> bool:
-        if phase != self.phase or self.rank not in (None, rank):
+    def matches(self, rank: int, step: int, phase: str, reached: int = 0) -> bool:
+        """``reached``: how often this step reached ``phase`` before."""
+        if phase != self.phase or self.rank not in (None, rank) or self.micro not in (None, reached):
             return False
         return self.step is None or step == self.step or (phase in BACKGROUND_PHASES and step > self.step)
 
@@ -80,12 +90,15 @@ def parse_all(spec: str) -> list[Fault]:
 
 _FAULTS = parse_all(os.environ.get("TORCHPASS_FAULTS", ""))
 _where = (-1, -1)
+_reached: dict[str, int] = {}  # how often each phase was reached in the current step
 _slow = 0.0  # seconds this process sleeps per step boundary, once a ``slow`` fault fired in it
 
 
 def at(rank: int, step: int) -> None:
     """Record where this process is (called at each step boundary, and when a spare gets its rank)."""
     global _where
+    if (rank, step) != _where:
+        _reached.clear()
     _where = (rank, step)
 
 
@@ -93,8 +106,10 @@ def point(phase: str) -> None:
     """An injection point; free when no fault is configured."""
     if not _FAULTS:
         return
+    reached = _reached.get(phase, 0)
+    _reached[phase] = reached + 1
     for index, fault in enumerate(_FAULTS):
-        if fault.matches(*_where, phase) and _claim(index):
+        if fault.matches(*_where, phase, reached) and _claim(index):
             _fire(fault)
     if _slow and phase == "boundary":
         time.sleep(_slow)

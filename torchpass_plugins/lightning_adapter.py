@@ -10,9 +10,12 @@ from typing import TYPE_CHECKING, Any
 from lightning.pytorch.utilities.data import _update_dataloader
 from torch import Tensor
 from torch.distributed.tensor import DTensor
+from torch.utils.data import IterableDataset
 
 from torchpass_plugins import faults
-from torchpass_plugins.sampler import ResumeSampler
+from torchpass_plugins._compat.lightning import load_rank_local_state, rank_local_state, replayed_batch_end
+from torchpass_plugins.errors import ConfigError
+from torchpass_plugins.sampler import SeededSampler, seed_fetches
 from torchpass_plugins.tree import tensors_in
 
 if TYPE_CHECKING:
@@ -46,7 +49,17 @@ class LightningAdapter:
         checkpoint = self.trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
         if snapshot is not None:
             checkpoint["loops"]["fit_loop"] = snapshot
+        sync = self.strategy.runtime.buffer_sync
+        if sync is not None:  # the step's forward has moved the live buffers on since the boundary
+            state = checkpoint["state_dict"]
+            state.update((name, value) for name, value in sync.boundary_values().items() if name in state)
         return checkpoint
+
+    def rank_state(self) -> Any:
+        return rank_local_state(self.trainer)
+
+    def load_rank_state(self, state: Any) -> None:
+        load_rank_local_state(self.trainer, state)
 
     def state_tensors(self) -> list[Tensor]:
         """Weights and optimizer state, read without ``dump_checkpoint`` (which runs the user's hooks); none
@@ -79,30 +92,51 @@ class LightningAdapter:
         """Mark the start of each optimizer step: before the fetch of its first batch."""
         loop = self.trainer.fit_loop.epoch_loop
         trainer, runtime = self.trainer, self.strategy.runtime
-        original = type(loop).advance.__get__(loop)
+        original, original_end = (getattr(type(loop), n).__get__(loop) for n in ("advance", "on_advance_end"))
+        ended_already = False
 
         def advance(data_fetcher) -> None:
-            if loop.batch_progress.current.ready % trainer.accumulate_grad_batches == 0:
+            nonlocal ended_already
+            # (a restarted loop may call ``advance`` once without taking a batch: one boundary per step)
+            first = loop.batch_progress.current.ready % trainer.accumulate_grad_batches == 0
+            if first and runtime.last_boundary != trainer.global_step:
                 runtime.boundary(trainer.global_step)
                 if runtime.drain_due(trainer.global_step) is not None:
                     runtime.carry_out_drain(trainer.global_step)
             faults.point("data")
+            ready = loop.batch_progress.total.ready
             original(data_fetcher)
+            ended_already = replayed_batch_end(loop, ready)
 
-        loop.advance = advance
+        def on_advance_end(data_fetcher) -> None:
+            if not ended_already:
+                original_end(data_fetcher)
 
-    def resume_dataloader(self, dataloader: Any) -> Any:
-        """On a spare: start the train loader at the batch its predecessor was about to take."""
-        if self._resume is None:
-            return dataloader
-        epoch, batches = self._resume
+        loop.advance, loop.on_advance_end = advance, on_advance_end
+
+    def prepare_train_loader(self, dataloader: Any) -> Any:
+        """Every rank's train loader: positions carry their seeds and batches reseed as they load (see
+        :mod:`torchpass_plugins.sampler`); on a spare it starts at the batch its predecessor was about to take.
+        A loader no spare could resume is refused here, on every rank, before training."""
+        epoch, batches = self._resume or (-1, 0)
         self._resume = None
-        sampler = getattr(dataloader, "sampler", None)
-        if batches == 0 or _is_stateful(dataloader):
+        if _is_stateful(dataloader):
             return dataloader  # a stateful loader is repositioned by Lightning's loop restore itself
-        if not hasattr(sampler, "set_epoch") or dataloader.batch_size is None:
-            raise TypeError(
-                "torchpass: a spare can only resume a map-style DataLoader with a batch_size and a sampler "
-                f"with set_epoch (e.g. DistributedSampler); got sampler {type(sampler).__name__}"
+        sampler = getattr(dataloader, "sampler", None)
+        if isinstance(getattr(dataloader, "dataset", None), IterableDataset):
+            raise ConfigError(
+                "torchpass: the train DataLoader reads an IterableDataset, whose position a spare cannot restore "
+                "(it would start the stream over). Use a map-style Dataset, or a loader with "
+                "state_dict()/load_state_dict() (e.g. torchdata's StatefulDataLoader)."
             )
-        return _update_dataloader(dataloader, ResumeSampler(sampler, batches * dataloader.batch_size, epoch))
+        if not hasattr(sampler, "set_epoch") or dataloader.batch_size is None:
+            raise ConfigError(
+                "torchpass: a spare resumes the train DataLoader at the batch its predecessor was about to take, "
+                "which needs a batch_size and a sampler with set_epoch (Lightning's DistributedSampler, injected "
+                f"with use_distributed_sampler=True); got sampler {type(sampler).__name__}, "
+                f"batch_size {dataloader.batch_size}"
+            )
+        runtime = self.strategy.runtime
+        seed_fetches(dataloader.dataset)
+        seeded = SeededSampler(sampler, runtime.seed, runtime.rank, batches * dataloader.batch_size, epoch)
+        return _update_dataloader(dataloader, seeded)

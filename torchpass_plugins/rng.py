@@ -8,6 +8,7 @@ survive the failed process. Runs with and without failures draw the same streams
 from __future__ import annotations
 
 import random
+from typing import Any
 
 import numpy as np
 import torch
@@ -24,12 +25,35 @@ def step_seed(seed: int, rank: int, step: int) -> int:
     return (x ^ (x >> 32)) & _MASK
 
 
+_DATA = 0x632BE59BD9B4E019  # keeps the loader's seeds apart from the steps' for the same numbers
+
+
+def data_seed(seed: int, rank: int, epoch: int, position: int) -> int:
+    """The seed of the sample at ``position`` of ``epoch`` in rank ``rank``'s share of the data."""
+    return step_seed(seed ^ _DATA, rank, (epoch << 32) + position)
+
+
 def reseed(seed: int, rank: int, step: int) -> None:
     s = step_seed(seed, rank, step)
+    seed_cpu(s)
+    if torch.cuda.is_initialized():
+        torch.cuda.manual_seed_all(s)
+
+
+def seed_cpu(s: int) -> None:
+    """Seed Python's, NumPy's and torch's CPU generators from ``s``."""
     random.seed(s)
     np.random.seed(s & 0xFFFFFFFF)
     # Not ``torch.manual_seed``: with CUDA not yet initialized, it queues a lazy CUDA seeding call with a
     # captured stack trace, every step (milliseconds per step, and a list that grows for the whole run).
     torch.default_generator.manual_seed(s)
-    if torch.cuda.is_initialized():
-        torch.cuda.manual_seed_all(s)
+
+
+def cpu_state() -> tuple[Any, Any, torch.Tensor]:
+    return random.getstate(), np.random.get_state(), torch.default_generator.get_state()
+
+
+def set_cpu_state(state: tuple[Any, Any, torch.Tensor]) -> None:
+    random.setstate(state[0])
+    np.random.set_state(state[1])
+    torch.default_generator.set_state(state[2])

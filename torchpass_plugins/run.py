@@ -8,7 +8,7 @@ never exit early, so torchrun never sees a failure; each runs the script as its 
 replaces it as ``torchpass launch`` would, and spares work. Accelerate's settings reach the script
 through the environment as usual::
 
-    accelerate launch --num_processes 4 -m torchpass_plugins.run --spares 1 train.py --lr 3e-4
+    accelerate launch --multi_gpu --num_processes 4 -m torchpass_plugins.run --spares 1 train.py --lr 3e-4
     torchrun --nproc-per-node 4 -m torchpass_plugins.run --spares 1 train.py
 """
 
@@ -34,7 +34,8 @@ def config_from_torchrun(argv: list[str], environ: dict[str, str]) -> LaunchConf
     ns = p.parse_args(argv)
     missing = [v for v in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT") if v not in environ]
     if missing:
-        p.error(f"not started by torchrun / accelerate launch (no {', '.join(missing)}); use `torchpass launch`")
+        p.error(f"not started by torchrun / accelerate launch (no {', '.join(missing)}): use `torchpass launch`, "
+                "or give accelerate launch --multi_gpu (without it, a machine with no GPU gets one plain process)")
     run_id = environ.get("TORCHELASTIC_RUN_ID", "")
     # Every supervisor of the job derives the same join token (unless one is given).
     token = environ.get("TORCHPASS_JOIN_TOKEN") or hashlib.sha256(

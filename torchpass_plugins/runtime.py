@@ -26,6 +26,8 @@ import torch
 import torch.distributed as dist
 
 from torchpass_plugins import faults, rng
+from torchpass_plugins.buffer_sync import BufferSync
+from torchpass_plugins.collective_log import CollectiveLog, Position
 from torchpass_plugins.events import EventLog
 from torchpass_plugins.grad_buckets import GradientBuckets
 from torchpass_plugins.membership import (
@@ -39,12 +41,14 @@ from torchpass_plugins.membership import (
     WorkerEnv,
     reached_key,
 )
+from torchpass_plugins.rank_state import RankStateRing
 from torchpass_plugins.state_transfer import Landing, recv_state, send_state
 from torchpass_plugins.stragglers import StepTimer, stragglers
 from torchpass_plugins.transport import PeerFailure, Transport
 
 T = TypeVar("T")
 _BEFORE_LOOP = (-1, -1)
+_SPARE_ERROR = "torchpass/spare_error/"  # + rank: the error of the last spare that failed before its first step
 PROGRESS_EVERY_S = 0.5  # a ``progress`` event per rank at most this often: a timeline, not a firehose
 
 
@@ -74,6 +78,12 @@ class Adapter(Protocol):
     def state_tensors(self) -> list[torch.Tensor]:
         """The large tensors of ``boundary_state`` (weights, optimizer state) without building it: what a
         spare prepares a :class:`Landing` for (empty where no full state is handed over)."""
+
+    def rank_state(self) -> Any:
+        """What this rank holds that its peers do not (metric states, logged values), as plain data."""
+
+    def load_rank_state(self, state: Any) -> None:
+        """Spare side: adopt the lost rank's :meth:`rank_state`, at the first step boundary."""
 
 
 @dataclass(frozen=True)
@@ -107,6 +117,8 @@ class Agreement:
     donor: int
     immediate: bool
     spares: list[int]
+    source: int = -1  # the survivor furthest ahead: it holds the results every member behind is missing
+    replay: dict[int, tuple[Position, Position]] | None = None  # member -> [start, stop) of the results it gets
 
     @classmethod
     def decide(cls, rows: list[MemberState]) -> Agreement:
@@ -134,7 +146,14 @@ class Agreement:
         target = max(target, (entry, 0))
         ready = [r for r, row in survivors.items() if row.applied == entry and row.last_boundary == entry]
         donor = ready[0] if ready else min(survivors)
-        return cls(committed, entry, target, donor, bool(ready), [r for r, row in enumerate(rows) if row.spare])
+        # Results of collectives the furthest member completed and others did not (a spare replays from
+        # the entry boundary; the collectives of the steps before it are superseded by the state it gets).
+        ahead = max(row.position for row in survivors.values())
+        source = min(r for r, row in survivors.items() if row.position == ahead)
+        starts = {r: (entry, 0) if row.spare else row.position for r, row in enumerate(rows)}
+        replay = {r: (start, ahead) for r, start in starts.items() if start < ahead}
+        spares = [r for r, row in enumerate(rows) if row.spare]
+        return cls(committed, entry, target, donor, bool(ready), spares, source, replay)
 
 
 class Runtime:
@@ -150,10 +169,20 @@ class Runtime:
         self._progress_logged = -float("inf")  # when the last ``progress`` event was written
         self.adapter: Adapter | None = None
         self.is_spare = False
+        # a promoted spare until it has completed a step: an error before that would recur on every spare
+        self.unproven_spare = False
+        self._entered_at: int | None = None
         self.step, self.count = _BEFORE_LOOP
         self.last_boundary = -1
         self._voted = -1  # applied steps when this rank last finished a commit vote
         self.target: tuple[int, int] | None = None
+        self.log = CollectiveLog()
+        self._replay: dict[Position, Any] = {}  # results handed over by the member ahead, by position
+        self._replay_from: Position = _BEFORE_LOOP  # a spare's collectives before this are superseded
+        self.buffer_sync: BufferSync | None = None  # module buffers every rank takes from rank 0 (DDP)
+        # copies of the ring predecessor's rank-local state (None: the strategy carries that state itself)
+        self.rank_state: RankStateRing | None = RankStateRing()
+        self._entering_rank_state: Any = None  # a spare's: the lost rank's, adopted at the first boundary
         self._pending: tuple[int, list[int]] | None = None
         self.boundary_record: Any = None  # the adapter's snapshot at the last boundary
         self.seed_override: int | None = None
@@ -198,7 +227,7 @@ class Runtime:
         self.member.watch_from(gen)
         self.transport.rank = rank
         faults.at(rank, -1)
-        self.is_spare = gen > 0
+        self.is_spare = self.unproven_spare = gen > 0
         if not self.is_spare:
             try:
                 self.transport.connect(gen, rank)
@@ -225,6 +254,16 @@ class Runtime:
         if tensors:
             self.member.store.set(LANDING_KEY, Landing.describe(tensors))
 
+    def error_repeats(self, error: str) -> bool:
+        """An unproven spare failed with ``error``: True when this rank's previous spare failed the same way
+        (every spare would: the job must stop), else it is noted for the next one."""
+        key = f"{_SPARE_ERROR}{self.rank}"
+        store = self.member.store
+        if store.check([key]) and store.get(key).decode() == error:
+            return True
+        store.set(key, error)
+        return False
+
     def enter_as_spare(self) -> None:
         """Spare side of a recovery: join the group and receive the state (called once ``adapter`` is set)."""
         self.events.emit("spare_promoted", rank=self.rank, gen=self.member.latest_gen)
@@ -232,18 +271,40 @@ class Runtime:
 
     # -- collectives --------------------------------------------------------------------------------------
     def collective(self, fn: Callable[[Transport], T], skipped: T) -> T:
-        """Run ``fn`` on the current group; on failure recover and retry, or skip if others passed here."""
+        """Run ``fn`` on the current group; on failure recover and retry, or, if others passed here, return
+        the result they got (``skipped`` before a spare's entry boundary: the state it receives supersedes it)."""
         pos = (self.step, self.count)
         self.count += 1
         while True:
             if self._behind(pos):
-                return skipped
+                return self._replayed(pos, skipped)
             try:
                 if self.transport.stale() or self.transport.pg is None:
                     raise PeerFailure("newer roster")
-                return fn(self.transport)
+                result = fn(self.transport)
             except PeerFailure as exc:
                 self._recover(pos, reduced=False, cause=str(exc))
+                continue
+            self.log.record(pos, result)
+            return result
+
+    def _replayed(self, pos: Position, skipped: T) -> T:
+        if pos in self._replay:
+            result = self._replay.pop(pos)
+            self.log.record(pos, result)
+            return result
+        if pos < self._replay_from:
+            return skipped
+        # No survivor completed it, and the spare cannot take part: it enters at the next step boundary, so
+        # this collective runs after the optimizer step (validation, an epoch's end, evaluation) of the step
+        # the lost rank completed. A result of fewer ranks would be made up, and the code after it (early
+        # stopping, the best checkpoint) may act on it: the job stops instead.
+        raise Unrecoverable(
+            f"torchpass: a rank was lost after step {pos[0]}'s optimizer step, in a collective of what runs after "
+            "it (validation, an epoch's end, evaluation) that no other rank had completed; a spare can only "
+            "enter at a step boundary, so the job stops rather than go on with a result made of fewer ranks. "
+            "Submit it again to resume from its newest snapshot."
+        )
 
     def reduce_gradients(self, buckets: GradientBuckets) -> None:
         """All-reduce the gradient buckets, then vote to commit the step; then the buckets hold the sum.
@@ -264,15 +325,32 @@ class Runtime:
                     raise PeerFailure("newer roster")
                 buckets.complete(self.transport, issued=lambda: faults.point("reduce"))
                 reduced = True
+                if self.rank_state is not None:  # before the vote: a finished vote implies every copy is made
+                    self.rank_state.exchange(self.transport, "vote", self.step, self.adapter.rank_state())
                 faults.point("commit")
-                signals = self.signals()  # the vote carries them: no extra collective per step
-                self.transport.all_reduce(signals, what="commit vote")
-                self._voted = self.adapter.applied_steps()
-                self.take_signals(signals, self.step, drain_at=self.step + 1)
-                return
+                vote = self._ballot()
+                self.transport.all_reduce(vote, what="commit vote")
             except PeerFailure as exc:
-                if self._recover(pos, reduced=reduced, cause=str(exc)):
-                    return
+                if not self._recover(pos, reduced=reduced, cause=str(exc)):
+                    continue
+                vote = self._replay.pop(pos)  # committed: what the members that finished the vote got
+            self._voted = self.adapter.applied_steps()
+            self.log.record(pos, vote)
+            self._count_vote(vote)
+            return
+
+    def _ballot(self) -> torch.Tensor:
+        """This rank's part of the commit vote: its signals, and rank 0's buffers (no extra collective)."""
+        signals = self.signals()
+        if self.buffer_sync is None or not self.buffer_sync.size:
+            return signals
+        return torch.cat([signals, self.buffer_sync.contribution(self.rank)])
+
+    def _count_vote(self, vote: torch.Tensor) -> None:
+        w = 2 * self.world_size
+        if self.buffer_sync is not None and self.buffer_sync.size:
+            self.buffer_sync.adopt(vote[w:])
+        self.take_signals(vote[:w], self.step, drain_at=self.step + 1)
 
     def _behind(self, pos: tuple[int, int]) -> bool:
         if self.target is None:
@@ -280,6 +358,7 @@ class Runtime:
         if pos < self.target:
             return True
         self.target = None
+        self._replay.clear()
         return False
 
     # -- step boundaries ---------------------------------------------------------------------------------
@@ -287,6 +366,10 @@ class Runtime:
         """Start of optimizer step ``step``: reseed, record the snapshot, hand over a deferred state."""
         self.step, self.count, self.last_boundary = step, 0, step
         self._voted = -1
+        if self.unproven_spare:
+            self.unproven_spare = self._entered_at is None or step == self._entered_at
+            self._entered_at = step
+        self.log.new_step(step)
         now = time.perf_counter()
         self.timer.boundary(step, now, self.transport.waited)
         if now - self._progress_logged >= PROGRESS_EVERY_S:
@@ -304,6 +387,26 @@ class Runtime:
                 self._send_to(self.transport, spares, self.adapter.boundary_state(None))
             except PeerFailure as exc:
                 self._recover((step, 0), reduced=False, cause=str(exc))
+        if self.rank_state is not None:
+            self._exchange_rank_state(step)
+
+    def _exchange_rank_state(self, step: int) -> None:
+        """The boundary's copy of this rank's rank-local state to its successor: the first collective of the
+        step (a member that others passed skips it: its successor holds the copy of its predecessor)."""
+        if self._entering_rank_state is not None:
+            self.adapter.load_rank_state(self._entering_rank_state)
+            self._entering_rank_state = None
+        state = self.adapter.rank_state()
+        pos = (step, self.count)
+        self.count += 1
+        while not self._behind(pos):
+            try:
+                if self.transport.stale() or self.transport.pg is None:
+                    raise PeerFailure("newer roster")
+                self.rank_state.exchange(self.transport, "boundary", step, state)
+                return
+            except PeerFailure as exc:
+                self._recover(pos, reduced=False, cause=str(exc))
 
     def _send_to(self, transport: Transport, spares: list[int], state: Any) -> None:
         for dst in spares:
@@ -340,6 +443,7 @@ class Runtime:
                     spares=agreement.spares,
                     donor=agreement.donor,
                 )
+                self._replay_results(agreement)
                 self._hand_over(agreement)
             except PeerFailure as exc:
                 cause = str(exc)
@@ -383,10 +487,22 @@ class Runtime:
         mine = MemberState(self.is_spare, pos, applied, self.last_boundary, reduced or voted, voted)
         return Agreement.decide([MemberState.from_tensor(t) for t in self.transport.all_gather(mine.to_tensor())])
 
+    def _replay_results(self, a: Agreement) -> None:
+        """The member furthest ahead sends every member behind the results it completed and they did not."""
+        self._replay = {}
+        self._replay_from = (a.entry_step, 0) if self.is_spare else _BEFORE_LOOP
+        for member, (start, stop) in sorted(a.replay.items()):
+            if self.rank == a.source:
+                send_state(self.transport, self.log.between(start, stop), member)
+            elif self.rank == member:
+                self._replay, _ = recv_state(self.transport, a.source)
+
     def _hand_over(self, a: Agreement) -> None:
         self._pending = None
         if not a.spares:
             return
+        if self.rank_state is not None:
+            self._hand_over_rank_state(a)
         if self.is_spare:
             faults.point("promoted")
             t0 = time.perf_counter()
@@ -402,6 +518,22 @@ class Runtime:
                 self._send_to(self.transport, a.spares, self.adapter.boundary_state(self.boundary_record))
             else:
                 self._pending = (a.entry_step, a.spares)
+
+    def _hand_over_rank_state(self, a: Agreement) -> None:
+        """Each spare gets the lost rank's rank-local state from the ring successor that holds its copy."""
+        for spare in a.spares:
+            holder = (spare + 1) % self.world_size
+            if holder in a.spares:  # lost too: no copy survives; the spare starts from its own
+                if self.rank == spare:
+                    self.events.emit("rank_state_received", rank=spare, kind="none", step=a.entry_step)
+                continue
+            if self.rank == holder:
+                kind, state = self.rank_state.for_entry(a.entry_step)
+                send_state(self.transport, {"kind": kind, "state": state}, spare)
+            elif self.rank == spare:
+                received, _ = recv_state(self.transport, holder)
+                self._entering_rank_state = received["state"]
+                self.events.emit("rank_state_received", rank=spare, kind=received["kind"], step=a.entry_step)
 
     # -- signals: planned migrations and step times, carried by a collective each step makes anyway -----
     def signals(self) -> torch.Tensor:
@@ -461,7 +593,9 @@ class Runtime:
     def carry_out_drain(self, step: int) -> None:
         """At the agreed boundary: the moving rank leaves; the others rebuild the group with the spare."""
         rank = self.end_drain(step)
-        self._recover((step, 0), reduced=False, cause=f"planned migration of rank {rank}")
+        # where this rank is: past the boundary's collectives (the rank-state exchange), which the spare,
+        # entering at this boundary, must then skip as it would after a failure
+        self._recover((self.step, self.count), reduced=False, cause=f"planned migration of rank {rank}")
 
     def end_drain(self, step: int) -> int:
         """The agreed migration happens now: the moving rank leaves (this does not return there); the

@@ -157,6 +157,18 @@ class Transport:
     def barrier(self) -> None:
         self.all_reduce(torch.zeros(1))
 
+    def wait_for_all(self, name: str) -> None:
+        """A barrier with no time limit, for ranks that wait while one of them works alone for as long as
+        it takes (``prepare_data`` downloading a data set): a mark per rank in the job's store, polled, and
+        escaped like every wait when a newer roster replaces this group."""
+        store, prefix = self.member.store, f"torchpass/wait_for_all/{self.gen}/{name}/"
+        store.set(f"{prefix}{self.rank}", b"1")
+        marks = [f"{prefix}{r}" for r in range(self.world_size)]
+        while not store.check(marks):
+            if self.stale():
+                raise PeerFailure(f"{name}: generation {self.member.latest_gen} replaced {self.gen}")
+            time.sleep(_TICK)
+
     def send(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> None:
         self.wait(self.pg.send([tensor], dst, tag), "send")
 

@@ -56,11 +56,14 @@ def current_runtime(timeout: timedelta = timedelta(minutes=5)) -> Runtime:
 def _exit_job_on_config_error() -> None:
     """A ``ConfigError`` that reaches the top of a worker exits with ``CONFIG_ERROR_EXIT``, which makes the
     agent stop the whole job with the message instead of handing the same mistake to a spare. An
-    ``Unrecoverable`` state hands its message to the coordinator, which stops the job with it. A
+    ``Unrecoverable`` state hands its message to the coordinator, which stops the job with it (or restarts
+    it from its newest snapshot). A promoted spare whose error before its first completed step is the one
+    its rank's previous spare had stops the job like a configuration error (a crash loop otherwise). A
     ``JobAborted`` leaves quietly: the agent prints the coordinator's message once for the whole job."""
     previous = sys.excepthook
 
     def hook(exc_type, exc, tb) -> None:
+        sys.stderr = sys.__stderr__  # the last word goes to the log, even if a library left stderr redirected
         if issubclass(exc_type, JobAborted) and _RUNTIME is not None:
             _RUNTIME.before_abort_exit()
         if issubclass(exc_type, Unrecoverable) and _RUNTIME is not None:
@@ -68,6 +71,14 @@ def _exit_job_on_config_error() -> None:
             os._exit(UNRECOVERABLE_EXIT)
         if issubclass(exc_type, JobAborted):
             os._exit(1)
+        if _RUNTIME is not None and _RUNTIME.unproven_spare and not issubclass(exc_type, (ConfigError, JoinRejected)):
+            error = f"{exc_type.__name__}: {exc}".splitlines()[0]
+            if _RUNTIME.error_repeats(error):
+                previous(exc_type, exc, tb)
+                _RUNTIME.member.store.set(abort_request_key(_RUNTIME.env.worker_id), (
+                    f"torchpass: two spares promoted to rank {_RUNTIME.rank} failed the same way before completing "
+                    f"a step ({error}); every spare would, so the job stops (the traceback is in the log)"))
+                os._exit(CONFIG_ERROR_EXIT)  # not restarted either: a restart would repeat it too
         if issubclass(exc_type, JoinRejected):
             print(exc, file=sys.stderr, flush=True)
             os._exit(REJECTED_EXIT)

@@ -4,8 +4,9 @@ Libraries that drive the default group themselves (Accelerate: DDP's start-up br
 ``reduce`` for metrics, ``wait_for_everyone``) must keep working across a recovery, but torch binds the
 default group once per process. So the default group is this Python ``ProcessGroup``, fixed at the
 logical rank and world size, and each operation runs through :meth:`Runtime.collective` on the current
-generation's transport: a failure rebuilds the transport and retries, or skips on a rank that is behind
-the agreed position, and the caller never sees it. Operations complete before they return.
+generation's transport: a failure rebuilds the transport and retries; a rank behind the agreed position
+is given the results the others got (:class:`CollectiveLog`), and a spare skips what ran before the step it
+enters at. Operations complete before they return.
 
 Installing a Python group as the default one uses torch's private ``_world`` registry (as the c10d
 helpers themselves do); the torch versions the package allows are the ones this is tested with.
@@ -21,6 +22,7 @@ import torch.distributed.distributed_c10d as c10d
 from torch._C._distributed_c10d import _create_work_from_future
 from torch.futures import Future
 
+from torchpass_plugins import faults
 from torchpass_plugins.runtime import Runtime
 from torchpass_plugins.transport import Transport
 
@@ -41,43 +43,50 @@ class RecoverableWorldGroup(dist.ProcessGroup):
         super().__init__(runtime.rank, runtime.world_size)
         self._runtime = runtime
 
-    def _run(self, fn: Callable[[Transport], None]) -> bool:
-        """Returns False when the operation was skipped (the others completed it before a recovery)."""
-        return self._runtime.collective(fn, _SKIPPED) is not _SKIPPED
+    def _run(self, fn: Callable[[Transport], list[torch.Tensor]], outputs: list[torch.Tensor]) -> bool:
+        """Run ``fn`` (which returns the results, so that a rank behind can be given them) and write the
+        results into ``outputs``; returns False when the operation was skipped (a spare before the step it
+        enters at: the state it receives supersedes the result)."""
+        faults.point("collective")
+        results = self._runtime.collective(fn, _SKIPPED)
+        if results is _SKIPPED:
+            return False
+        for out, result in zip(outputs, results, strict=True):
+            out.copy_(result)
+        return True
 
     def allreduce(self, tensors: list[torch.Tensor], opts: dist.AllreduceOptions | None = None) -> dist.Work:
         op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
-        # Reduce copies: a failure mid-way must not leave a half-reduced input for the retry.
-        out = [t.detach().clone() for t in tensors]
 
-        def run(transport: Transport) -> None:
-            for t, source in zip(out, tensors, strict=True):
-                t.copy_(source)
+        def run(transport: Transport) -> list[torch.Tensor]:
+            # Reduce copies: a failure mid-way must not leave a half-reduced input for the retry.
+            out = [t.detach().clone() for t in tensors]
+            for t in out:
                 transport.all_reduce(t, op)
+            return out
 
-        if self._run(run):
-            for t, result in zip(tensors, out, strict=True):
-                t.copy_(result)
+        self._run(run, tensors)
         return _done(tensors)
 
     def broadcast(self, tensors: list[torch.Tensor], opts: dist.BroadcastOptions | None = None) -> dist.Work:
         root = opts.rootRank if opts is not None else 0
 
-        def run(transport: Transport) -> None:
-            for t in tensors:
+        def run(transport: Transport) -> list[torch.Tensor]:
+            out = [t.detach().clone() for t in tensors]
+            for t in out:
                 transport.broadcast(t, root)
+            return out
 
-        self._run(run)
+        self._run(run, tensors)
         return _done(tensors)
 
     def allgather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor],
                   opts: object = None) -> dist.Work:
-        def run(transport: Transport) -> None:
-            for out, t in zip(outputs, inputs, strict=True):
-                for dst, src in zip(out, transport.all_gather(t.contiguous()), strict=True):
-                    dst.copy_(src)
+        def run(transport: Transport) -> list[torch.Tensor]:
+            return [part for t in inputs for part in transport.all_gather(t.contiguous())]
 
-        if not self._run(run):  # a skipping rank's result is replaced with the state it receives
+        flat = [dst for out in outputs for dst in out]
+        if not self._run(run, flat):  # superseded: filled only so that the caller's shapes work out
             for out, t in zip(outputs, inputs, strict=True):
                 for dst in out:
                     dst.copy_(t)
@@ -88,7 +97,8 @@ class RecoverableWorldGroup(dist.ProcessGroup):
         return _done(output)
 
     def barrier(self, opts: object = None) -> dist.Work:
-        self._run(lambda transport: transport.barrier())
+        faults.point("collective")
+        self._runtime.collective(lambda transport: transport.barrier(), None)
         return _done(None)
 
     def getBackendName(self) -> str:
@@ -99,7 +109,10 @@ class RecoverableWorldGroup(dist.ProcessGroup):
 
 
 def install(runtime: Runtime) -> RecoverableWorldGroup:
-    """Make a :class:`RecoverableWorldGroup` the process's default group (``dist.is_initialized()``)."""
+    """Make a :class:`RecoverableWorldGroup` the process's default group (``dist.is_initialized()``); a
+    second call (``trainer.fit`` then ``trainer.test``) finds it in place."""
+    if dist.is_initialized() and isinstance(c10d._get_default_group(), RecoverableWorldGroup):
+        return c10d._get_default_group()
     if dist.is_initialized():
         raise RuntimeError(
             "torchpass: torch.distributed is initialized already; create TorchPass() before Accelerator() "

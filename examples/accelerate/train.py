@@ -1,9 +1,11 @@
 """A plain Accelerate training loop that survives the loss of a worker (see README.md beside it).
 
 Four lines differ from the loop without torchpass: ``TorchPass()``, ``tp.track(...)``, ``tp.epochs`` and
-``tp.batches``. Run it with a spare::
+``tp.batches``. The loop is a usual one: two parameter groups, gradient clipping, a scheduler, an
+evaluation pass per epoch through ``gather_for_metrics``, and an object of its own (the best accuracy)
+whose state travels with the rest. Run it with a spare::
 
-    accelerate launch --num_processes 4 -m torchpass_plugins.run --spares 1 examples/accelerate/train.py
+    accelerate launch --multi_gpu --num_processes 4 -m torchpass_plugins.run --spares 1 examples/accelerate/train.py
 """
 
 from __future__ import annotations
@@ -28,6 +30,36 @@ def data(samples: int = 768, features: int = 32, classes: int = 4) -> TensorData
     return TensorDataset(x, y)
 
 
+class Best:
+    """The best evaluation accuracy so far: a stateful object of the script's own, tracked like the rest."""
+
+    def __init__(self) -> None:
+        self.accuracy, self.epoch = 0.0, -1
+
+    def update(self, accuracy: float, epoch: int) -> None:
+        if accuracy > self.accuracy:
+            self.accuracy, self.epoch = accuracy, epoch
+
+    def state_dict(self) -> dict:
+        return {"accuracy": self.accuracy, "epoch": self.epoch}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.accuracy, self.epoch = state["accuracy"], state["epoch"]
+
+
+def evaluate(accelerator: Accelerator, model: nn.Module, loader: DataLoader) -> float:
+    """Accuracy over the whole evaluation set: every rank's predictions, gathered."""
+    model.eval()
+    correct = total = 0
+    with torch.no_grad():
+        for x, y in loader:
+            predictions, targets = accelerator.gather_for_metrics((model(x).argmax(dim=1), y))
+            correct += int((predictions == targets).sum())
+            total += targets.numel()
+    model.train()
+    return correct / total
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--epochs", type=int, default=2)
@@ -39,8 +71,13 @@ def main() -> None:
 
     set_seed(args.seed)
     model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Dropout(0.1), nn.Linear(64, 4))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    decay = [p for name, p in model.named_parameters() if name.endswith("weight")]
+    no_decay = [p for name, p in model.named_parameters() if not name.endswith("weight")]
+    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.01}, {"params": no_decay, "weight_decay": 0.0}],
+                                  lr=1e-2)
     loader = DataLoader(data(), batch_size=args.batch_size, shuffle=True)
+    eval_loader = DataLoader(data(200), batch_size=args.batch_size)
+    best = Best()
 
     tp = TorchPass(seed=args.seed)  # before Accelerator(): joins the job (a spare waits here until it takes a rank)
     accelerator = Accelerator(gradient_accumulation_steps=args.accumulation, cpu=not torch.cuda.is_available(),
@@ -48,8 +85,9 @@ def main() -> None:
     # Accelerate steps a scheduler once per process per optimizer step
     steps = args.epochs * len(loader) // args.accumulation
     scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=1e-2, total_steps=steps)
-    model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
-    tp.track(accelerator, model=model, optimizer=optimizer, scheduler=scheduler, loader=loader)
+    model, optimizer, loader, eval_loader, scheduler = accelerator.prepare(model, optimizer, loader, eval_loader,
+                                                                          scheduler)
+    tp.track(accelerator, model=model, optimizer=optimizer, scheduler=scheduler, loader=loader, best=best)
 
     record = None  # one line per optimizer step this process applies (read by the tests)
     if args.out is not None:
@@ -61,13 +99,21 @@ def main() -> None:
             with accelerator.accumulate(model):
                 loss = nn.functional.cross_entropy(model(x), y)
                 accelerator.backward(loss)
+                if accelerator.sync_gradients:
+                    accelerator.clip_grad_norm_(model.parameters(), max_norm=1.0)
                 optimizer.step()
                 scheduler.step()
                 optimizer.zero_grad()
             if record is not None and accelerator.sync_gradients:
                 record.write(f"{tp.applied - 1}\n")
-        accelerator.print(f"epoch {epoch}: loss {loss.item():.4f}")
+        accuracy = evaluate(accelerator, model, eval_loader)
+        best.update(accuracy, epoch)
+        accelerator.print(f"epoch {epoch}: loss {loss.item():.4f}, accuracy {accuracy:.3f} (best {best.accuracy:.3f})")
 
+    if args.out is not None:  # every rank's own state, to compare runs rank by rank
+        torch.save({"model": accelerator.unwrap_model(model).state_dict(), "optimizer": optimizer.state_dict(),
+                    "scheduler": scheduler.state_dict(), "best": best.state_dict(), "rng": torch.get_rng_state()},
+                   args.out / f"state_rank{accelerator.process_index}.pt")
     if args.out is not None and accelerator.is_main_process:
         weights = {k: v.clone() for k, v in accelerator.unwrap_model(model).state_dict().items()}
         torch.save({"weights": weights, "applied": tp.applied}, args.out / "final.pt")

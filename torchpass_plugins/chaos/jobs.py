@@ -19,6 +19,10 @@ import torch
 PACKAGE = Path(__file__).resolve().parents[1]
 TRAIN = PACKAGE / "demo" / "train.py"
 JOB_TIMEOUT = 240.0
+# CPU kernels round differently with another thread count, and the launcher gives one thread to each of
+# several workers on a node but all threads to a single one: jobs whose ranks are spread over nodes in
+# other ways are comparable bit for bit only with the same count everywhere.
+SAME_ROUNDING = {"OMP_NUM_THREADS": "1"}
 
 
 def free_port() -> int:
@@ -61,6 +65,10 @@ class Job:
 
     def final(self) -> dict:
         return torch.load(self.out / "final.pt", weights_only=True)
+
+    def state(self, rank: int) -> dict:
+        """Logical rank ``rank``'s full state at the end of training (the demo's ``state_rank{r}.pt``)."""
+        return torch.load(self.out / f"state_rank{rank}.pt", weights_only=True)
 
     def output(self) -> str:
         return "\n".join(p.read_text(errors="replace") for p in self.logs if p.exists())
@@ -136,7 +144,7 @@ def start(
     script: Path = TRAIN,
 ) -> Job:
     """Start the agents of one job (``nnodes`` simulated nodes on this machine)."""
-    env = {**os.environ, "TORCHPASS_FAULTS": faults, "TORCHPASS_JOIN_TOKEN": "test-token"}
+    env = {**os.environ, **SAME_ROUNDING, "TORCHPASS_FAULTS": faults, "TORCHPASS_JOIN_TOKEN": "test-token"}
     env.pop("TORCHPASS_STORE", None)
     job = Job(run_dir)
     endpoint = f"127.0.0.1:{free_port() if nnodes > 1 else 0}"
@@ -160,7 +168,7 @@ def start(
 
 def run_command(run_dir: Path, cmd: list[str], faults: str = "") -> tuple[Job, list[int]]:
     """Run another launcher's command line (torchrun, ``accelerate launch``) as one job, bounded."""
-    env = {**os.environ, "TORCHPASS_FAULTS": faults}
+    env = {**os.environ, **SAME_ROUNDING, "TORCHPASS_FAULTS": faults}
     env.pop("TORCHPASS_STORE", None)
     run_dir.mkdir(parents=True, exist_ok=True)
     log = run_dir / "launch.log"

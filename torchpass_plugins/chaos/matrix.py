@@ -2,12 +2,16 @@
 
 Outcomes:
 
-- ``bit-exact``: the job finished, its final weights equal the failure-free run's bit for bit, and every
-  logical rank applied every optimizer step exactly once.
-- ``fallback``: a documented fallback. The job restarted itself from its newest snapshot (the steps lost
-  logged as ``steps_lost`` or ``steps_rolled_back``), or it stopped with a logged reason and the same job,
-  submitted again, resumed from its newest snapshot. Either way the final weights equal the failure-free
-  run's and no step is missing.
+- ``bit-exact``: the job finished, every logical rank's full state (parameters, buffers, optimizer,
+  schedulers, loop progress, metric states, logged values, RNG) equals the failure-free run's bit for bit,
+  and every logical rank applied every optimizer step exactly once.
+- ``fallback``: a documented fallback, with every rank's full state equal too. An in-memory rollback (the
+  steps logged as ``steps_rolled_back``); or a restart from the newest snapshot, by the job itself or by the
+  same job submitted again after it stopped with a logged reason: a snapshot holds what a checkpoint holds,
+  so there the logged values and metric states of the epoch in progress are not compared (they start
+  over, as after resuming from a checkpoint). Likewise when a spare entered with its predecessor's
+  logged values as of the step's commit vote (event ``rank_state_received``, ``kind: "vote"``): the
+  predecessor was lost in what ran after that optimizer step, and its effects on them are missing.
 - ``failure``: anything else: a divergence, a hang (the bound passed), a process left behind, a step
   applied twice without a log of it, a stop the resubmitted job could not resume from, or a fault that
   never struck (the scenario tested nothing).
@@ -24,9 +28,8 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import torch
-
 from torchpass_plugins.chaos import jobs
+from torchpass_plugins.chaos.oracle import differences
 from torchpass_plugins.chaos.scenario import SNAPSHOT_EVERY, STEPS, WORLD, Scenario, draw
 from torchpass_plugins.faults import PHASES
 
@@ -80,8 +83,9 @@ def _run_job(
     return job, codes, left
 
 
-def reference(work: Path, name: str) -> dict[str, torch.Tensor]:
-    """The failure-free run's final weights (run once per strategy and replication interval)."""
+def reference(work: Path, name: str) -> list[dict]:
+    """Every logical rank's full state at the end of the failure-free run (run once per strategy and
+    replication interval)."""
     path = work / "reference" / name / "out" / "final.pt"
     if not path.exists():
         strategy, _, every = name.rpartition("-r")
@@ -89,12 +93,24 @@ def reference(work: Path, name: str) -> dict[str, torch.Tensor]:
         job, codes, left = _run_job(path.parents[1], strategy, int(every), "", nproc=WORLD, spares=0)
         if codes != [0] or left:
             raise RuntimeError(f"the failure-free run {name} failed ({codes}, left {left}):\n{job.output()[-3000:]}")
-    return torch.load(path, weights_only=True)["weights"]
+    done = jobs.Job(path.parents[1])
+    return [done.state(rank) for rank in range(WORLD)]
 
 
-def _identical(job: jobs.Job, expected: dict[str, torch.Tensor]) -> bool:
-    weights = job.final()["weights"]
-    return weights.keys() == expected.keys() and all(torch.equal(weights[k], expected[k]) for k in expected)
+# What a snapshot restores (a checkpoint's content); the rest of a rank's state starts the epoch over.
+CHECKPOINTED = ("module", "optimizers", "schedulers", "loops", "rng")
+
+
+def divergence(job: jobs.Job, expected: list[dict], keys: tuple[str, ...] | None = None) -> str | None:
+    """The first difference from the failure-free run's full state of any rank (``keys``: only those parts)."""
+    for rank, want in enumerate(expected):
+        got = job.state(rank)
+        if keys is not None:
+            want, got = {k: want[k] for k in keys}, {k: got[k] for k in keys}
+        found = differences(want, got, f"rank{rank}")
+        if found:
+            return f"divergence: {found[0]}" + (f" (and {len(found) - 1} more)" if len(found) > 1 else "")
+    return None
 
 
 def _not_struck(run_dir: Path, count: int) -> list[int]:
@@ -111,7 +127,7 @@ def classify(sc: Scenario, work: Path) -> tuple[str, str]:
 
 
 def judge(
-    sc: Scenario, job: jobs.Job, codes: list[int] | None, left: list[int], expected: dict[str, torch.Tensor]
+    sc: Scenario, job: jobs.Job, codes: list[int] | None, left: list[int], expected: list[dict]
 ) -> tuple[str, str]:
     """The outcome of a scenario's job (``codes`` None: it hung; ``left``: processes it left)."""
     run_dir = job.run_dir
@@ -125,13 +141,17 @@ def judge(
     events = job.events()
     if codes != [0]:
         return _resubmitted(sc, job, events, codes, expected)
-    if not _identical(job, expected):
-        return "failure", "divergence: final weights differ from the failure-free run"
+    restarts = sum(e["event"] == "job_restart" for e in events)
+    diverged = divergence(job, expected, CHECKPOINTED if restarts else None)
+    before_tail = any(e["event"] == "rank_state_received" and e["kind"] == "vote" for e in events)
+    if diverged and before_tail and not divergence(job, expected, CHECKPOINTED):
+        return "fallback", f"a spare entered with its predecessor's logged values as of its last vote ({diverged})"
+    if diverged:
+        return "failure", diverged
     applied = [job.applied(r) for r in range(WORLD)]
     if any(set(a) != set(range(STEPS)) for a in applied):
         return "failure", f"steps missing: applied {applied}"
     recomputed = max(len(a) - STEPS for a in applied)
-    restarts = sum(e["event"] == "job_restart" for e in events)
     rolled = max([e.get("steps_rolled_back") or 0 for e in events if e["event"] == "recovered"], default=0)
     lost = max([e.get("steps_lost") or 0 for e in events if e["event"] == "snapshot_resumed"], default=0)
     recoveries = sum(e["event"] == "roster_published" and e["gen"] > 0 for e in events)
@@ -145,7 +165,7 @@ def judge(
 
 
 def _resubmitted(
-    sc: Scenario, job: jobs.Job, events: list[dict], codes: list[int], expected: dict[str, torch.Tensor]
+    sc: Scenario, job: jobs.Job, events: list[dict], codes: list[int], expected: list[dict]
 ) -> tuple[str, str]:
     """The job stopped. Documented only with a reason in the log (an abort) or when its agent was killed
     (the coordinator's host); then the same job submitted again must resume from its newest snapshot."""
@@ -158,8 +178,9 @@ def _resubmitted(
     )
     if codes2 != [0] or left:
         return "failure", f"the resubmitted job failed ({codes2}, left {left}):\n{again.output()[-1500:]}"
-    if not _identical(again, expected):
-        return "failure", "divergence after resuming from the snapshot"
+    diverged = divergence(again, expected, CHECKPOINTED)
+    if diverged:
+        return "failure", f"{diverged}, after resuming from the snapshot"
     resumed = [e["step"] for e in again.events("snapshot_resumed")]
     reached = max([len(job.applied(r)) for r in range(WORLD)], default=0)
     why = aborted[0]["message"].splitlines()[0] if aborted else "the coordinator's agent was killed"

@@ -1,9 +1,12 @@
 """The demo's training script: a plain Lightning script, as a user would write it.
 
-It uses a shuffled map-style dataset (Lightning's DistributedSampler), dropout, AdamW, a per-step LR
-scheduler, gradient accumulation and ``self.log(..., sync_dist=True)``; the only torchpass lines are the
-import and ``strategy="torchpass_ddp"``. With ``--out DIR`` it writes the final weights (rank 0) and, for
-every logical rank, the optimizer steps it applied, so runs can be compared bit for bit.
+It uses a shuffled map-style dataset (Lightning's DistributedSampler) read by loader workers that add random
+noise to every sample, batch normalization, dropout, AdamW, a per-step LR scheduler, gradient accumulation,
+``self.log(..., sync_dist=True, on_epoch=True)`` and a torchmetrics metric; the only torchpass lines are the
+import and ``strategy="torchpass_ddp"``. With ``--out DIR`` it writes the final weights (rank 0), and for
+every logical rank the optimizer steps it applied and its full state at the end (``state_rank{r}.pt``:
+parameters and buffers, optimizer, schedulers, loop progress, metric states, ``callback_metrics``, RNG), so
+runs can be compared bit for bit, rank by rank.
 """
 
 from __future__ import annotations
@@ -16,7 +19,10 @@ from pathlib import Path
 import lightning as L
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.distributed.tensor import DTensor
+from torch.utils.data import DataLoader, Dataset, TensorDataset
+from torchmetrics import Metric
+from torchmetrics.classification import MulticlassAccuracy
 
 import torchpass_plugins  # noqa: F401  (registers "torchpass_ddp" and "torchpass_fsdp")
 from torchpass_plugins import TorchPassCallback, TorchPassDDPStrategy, TorchPassFSDPStrategy
@@ -31,21 +37,40 @@ def make_dataset(samples: int = 480, features: int = 16, classes: int = 4) -> Te
     return TensorDataset(x, y)
 
 
+class Augmented(Dataset):
+    """Random noise added to each sample as it is read (in the loader's worker processes), as vision and
+    audio pipelines augment their inputs."""
+
+    def __init__(self, base: TensorDataset, noise: float) -> None:
+        self.base, self.noise = base, noise
+
+    def __len__(self) -> int:
+        return len(self.base)
+
+    def __getitem__(self, index: int):
+        x, y = self.base[index]
+        return (x + self.noise * torch.randn_like(x) if self.noise else x), y
+
+
 class Classifier(L.LightningModule):
     def __init__(self, features: int = 16, hidden: int = 64, classes: int = 4, lr: float = 3e-3) -> None:
         super().__init__()
         self.save_hyperparameters()
         self.net = nn.Sequential(
-            nn.Linear(features, hidden), nn.ReLU(), nn.Dropout(0.2), nn.Linear(hidden, hidden), nn.ReLU(),
-            nn.Dropout(0.2), nn.Linear(hidden, classes),
+            nn.Linear(features, hidden), nn.BatchNorm1d(hidden), nn.ReLU(), nn.Dropout(0.2),
+            nn.Linear(hidden, hidden), nn.ReLU(), nn.Dropout(0.2), nn.Linear(hidden, classes),
         )
+        self.train_acc = MulticlassAccuracy(num_classes=classes)
         self.out_dir: Path | None = None
         self.sleep_per_step = 0.0
 
     def training_step(self, batch, batch_idx):
         x, y = batch
-        loss = nn.functional.cross_entropy(self.net(x), y)
-        self.log("train_loss", loss, sync_dist=True, prog_bar=True)
+        logits = self.net(x)
+        loss = nn.functional.cross_entropy(logits, y)
+        self.train_acc(logits, y)
+        self.log("train_loss", loss, sync_dist=True, prog_bar=True, on_epoch=True)
+        self.log("train_acc", self.train_acc, on_step=True, on_epoch=True)
         return loss
 
     def validation_step(self, batch, batch_idx):
@@ -68,14 +93,42 @@ class Classifier(L.LightningModule):
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
 
+def _local(obj):
+    """``obj`` with each sharded tensor replaced by this rank's shard (every rank saves its own state)."""
+    if isinstance(obj, dict):
+        return {k: _local(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_local(v) for v in obj)
+    if isinstance(obj, DTensor):
+        obj = obj.to_local()
+    return obj.detach().clone() if isinstance(obj, torch.Tensor) else obj
+
+
+def rank_state(trainer: L.Trainer, model: L.LightningModule) -> dict:
+    """Everything this rank holds that a run with failures must end with exactly as the failure-free run."""
+    return _local({
+        "module": model.state_dict(),  # parameters and buffers (batch-norm statistics)
+        "optimizers": [optimizer.state_dict() for optimizer in trainer.optimizers],
+        "schedulers": [config.scheduler.state_dict() for config in trainer.lr_scheduler_configs],
+        "loops": trainer.fit_loop.state_dict(),
+        "metric_states": {name: dict(m.metric_state) for name, m in model.named_modules() if isinstance(m, Metric)},
+        "callback_metrics": dict(trainer.callback_metrics),
+        "rng": torch.get_rng_state(),
+    })
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--devices", type=int, default=3)
     p.add_argument("--num-nodes", type=int, default=1)
     p.add_argument("--max-steps", type=int, default=30)
+    p.add_argument("--max-epochs", type=int, default=-1, help="stop after this many epochs (-1: max-steps only)")
     p.add_argument("--accumulate", type=int, default=2)
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--hidden", type=int, default=64, help="width of the hidden layers")
+    p.add_argument("--workers", type=int, default=2, help="loader worker processes per rank")
+    p.add_argument("--persistent-workers", action="store_true", help="keep the loader workers across epochs")
+    p.add_argument("--noise", type=float, default=0.05, help="random noise the loader workers add to each sample")
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--progress", action="store_true")
     p.add_argument("--sleep-per-step", type=float, default=0.0)
@@ -102,7 +155,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
         model.out_dir = args.out
-    loader = DataLoader(make_dataset(), batch_size=args.batch_size, shuffle=True)
+    loader = DataLoader(Augmented(make_dataset(), args.noise), batch_size=args.batch_size, shuffle=True,
+                        num_workers=args.workers, persistent_workers=args.persistent_workers and args.workers > 0)
     val = DataLoader(make_dataset(96), batch_size=args.batch_size) if args.val_every else None
     strategy = args.strategy
     if args.strategy == "torchpass_fsdp":
@@ -117,6 +171,7 @@ def main(argv: list[str] | None = None) -> None:
         devices=args.devices,
         num_nodes=args.num_nodes,
         max_steps=args.max_steps,
+        max_epochs=args.max_epochs,
         accumulate_grad_batches=args.accumulate,
         callbacks=[TorchPassCallback(snapshot_dir=args.snapshot_dir, snapshot_every_n_steps=args.snapshot_every,
                                      snapshot_when_busy=args.snapshot_when_busy,
@@ -134,6 +189,8 @@ def main(argv: list[str] | None = None) -> None:
         trainer.save_checkpoint(args.save_checkpoint)
     # Sharded parameters are gathered to full tensors (a collective: every rank takes part).
     state = {k: getattr(v, "full_tensor", lambda v=v: v)().detach().clone() for k, v in model.state_dict().items()}
+    if args.out is not None:
+        torch.save(rank_state(trainer, model), args.out / f"state_rank{trainer.global_rank}.pt")
     if args.out is not None and trainer.global_rank == 0:
         opt_state = trainer.optimizers[0].state_dict()["state"]
         torch.save({"weights": state, "global_step": trainer.global_step,

@@ -215,7 +215,8 @@ class Agent:
     def _restart(self, message: str, grace: float = 5.0) -> None:
         """The coordinator found a failure no spare can fix: start every worker afresh, under new keys."""
         self.attempt += 1
-        print(f"torchpass: {message}\ntorchpass: restarting the job (restart {self.attempt} of "
+        said = message if message.startswith("torchpass") else f"torchpass: {message}"
+        print(f"{said}\ntorchpass: restarting the job (restart {self.attempt} of "
               f"{self.config.max_restarts}): it resumes from its newest snapshot if it writes them, else from "
               "the start", file=sys.stderr, flush=True)
         self.events.emit("job_restarting", attempt=self.attempt, message=message)

@@ -192,8 +192,10 @@ class Coordinator:
         rank = self.ranks.index(worker_id)
         if rank in self._short:
             return  # known lost, its replacement awaited
-        if code == CONFIG_ERROR_EXIT:
-            self._abort(f"worker {worker_id} (logical rank {rank}) stopped on a configuration error; see its output")
+        if code == CONFIG_ERROR_EXIT:  # a mistake every worker would repeat: no spare, no restart
+            key = abort_request_key(worker_id)
+            self._abort(self.store.get(key).decode() if self.store.check([key]) else
+                        f"worker {worker_id} (logical rank {rank}) stopped on a configuration error; see its output")
             return
         if code == UNRECOVERABLE_EXIT:
             self._abort(self.store.get(abort_request_key(worker_id)).decode(), restartable=True)

@@ -27,7 +27,9 @@ from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from torchpass_plugins import faults
+from torchpass_plugins import faults, world_group
+from torchpass_plugins._compat.lightning import refuse_unsupported, wait_in_prepare_data
+from torchpass_plugins.buffer_sync import BufferSync
 from torchpass_plugins.callback import TorchPassCallback
 from torchpass_plugins.environment import TorchPassEnvironment
 from torchpass_plugins.errors import ConfigError
@@ -115,6 +117,7 @@ class TorchPassDDPStrategy(ParallelStrategy):
         rt.events.emit("worker_ready", worker=rt.env.worker_id, rank=rt.rank, spare=rt.is_spare)
         self._end_even_if_skipped()
         self._connect()
+        wait_in_prepare_data(self.lightning_module.trainer, self._wait_for_all)
 
     def _end_even_if_skipped(self) -> None:
         """Lightning skips a fit loop with nothing left to train, its ``on_train_end`` hooks included. A
@@ -131,7 +134,10 @@ class TorchPassDDPStrategy(ParallelStrategy):
         loop.run = run_to_the_end
 
     def _connect(self) -> None:
-        """Start communicating: a spare receives its predecessor's state here."""
+        """Start communicating: a spare receives its predecessor's state here. The default
+        ``torch.distributed`` group becomes the recoverable one, so that what the user's code and libraries
+        reduce themselves (torchmetrics' states) spans every rank and survives a failure."""
+        world_group.install(self.runtime)
         if self.runtime.is_spare:
             self.runtime.enter_as_spare()
 
@@ -141,9 +147,11 @@ class TorchPassDDPStrategy(ParallelStrategy):
         self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         self._broadcast_parameters()
+        self.runtime.buffer_sync = BufferSync(list(self.lightning_module.named_buffers()))
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
+        refuse_unsupported(trainer)
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
 
@@ -164,6 +172,7 @@ class TorchPassDDPStrategy(ParallelStrategy):
 
     @override
     def on_train_start(self) -> None:
+        self.runtime.buffer_sync.mark_boundary()  # a spare's restored state is in place by now
         self.adapter.install_step_boundary()
 
     @override
@@ -207,6 +216,10 @@ class TorchPassDDPStrategy(ParallelStrategy):
     @override
     def barrier(self, name: Optional[str] = None) -> None:
         self.runtime.collective(lambda t: t.barrier(), None)
+
+    def _wait_for_all(self, name: str) -> None:
+        """A barrier with no time limit (:meth:`Transport.wait_for_all`)."""
+        self.runtime.collective(lambda t: t.wait_for_all(name), None)
 
     @override
     def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
@@ -275,5 +288,5 @@ class TorchPassDDPStrategy(ParallelStrategy):
     def process_dataloader(self, dataloader: object) -> object:
         trainer = self.lightning_module.trainer
         if trainer.state.stage == RunningStage.TRAINING:
-            return self.adapter.resume_dataloader(dataloader)
+            return self.adapter.prepare_train_loader(dataloader)
         return dataloader

@@ -34,6 +34,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from torchpass_plugins import faults, shard_state
+from torchpass_plugins._compat.lightning import refuse_unsupported
 from torchpass_plugins.errors import ConfigError
 from torchpass_plugins.membership import Unrecoverable
 from torchpass_plugins.relay_group import RelayGroup, init_relay_world
@@ -46,6 +47,7 @@ from torchpass_plugins.transport import PeerFailure, Transport
 
 WrapPolicy = Union[set[type[nn.Module]], int, None]
 _CHECKPOINT_META = "lightning.pt"  # beside the DCP shards: everything but model and optimizer tensors
+_RANK_BUFFERS = "buffers_rank{rank}.pt"  # beside them too: each rank's own module buffers
 StateFilter = Callable[[str, nn.Parameter], bool]
 
 
@@ -108,6 +110,9 @@ class TorchPassFSDPStrategy(TorchPassDDPStrategy):
             self._shard_kwargs["offload_policy"] = offload_policy
         self.replicator = RingReplicator(Transport(self.runtime.member, self._timeout, "repl"), replicate_every_n_steps)
         self.runtime.side_transports.append(self.replicator.side)
+        self.runtime.rank_state = None  # carried by the replication round instead (with the shard)
+        self._own: dict[int, dict] = {}  # this rank's own state at recent boundaries (:meth:`_own_state`)
+        self._entering_own: dict | None = None  # a spare's: the lost rank's, adopted at its first boundary
         self.relay: RelayGroup | None = None
         self._fetcher: ReplayFetcher | None = None
         self._incoming: dict | None = None  # a spare's shard, applied when Lightning restores the model
@@ -148,6 +153,7 @@ class TorchPassFSDPStrategy(TorchPassDDPStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             ParallelStrategy.setup_optimizers(self, trainer)
         self.setup_precision_plugin()
+        refuse_unsupported(trainer)
 
     @override
     def _broadcast_parameters(self) -> None:
@@ -197,6 +203,9 @@ class TorchPassFSDPStrategy(TorchPassDDPStrategy):
         path = Path(filepath)
         model, optimizers = get_state_dict(self.lightning_module, self.optimizers)
         dcp.save({"model": model, "optimizers": optimizers}, checkpoint_id=path)
+        # DCP keeps one copy of a tensor that is not sharded, and buffers differ between ranks (BatchNorm
+        # statistics): each rank writes its own beside the shards.
+        torch.save(self._buffers(), path / _RANK_BUFFERS.format(rank=self.global_rank))
         if self.is_global_zero:
             rest = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
             torch.save(rest, path / _CHECKPOINT_META)
@@ -209,6 +218,9 @@ class TorchPassFSDPStrategy(TorchPassDDPStrategy):
         model, optimizers = get_state_dict(self.lightning_module, self.optimizers)
         dcp.load({"model": model, "optimizers": optimizers}, checkpoint_id=path)
         set_state_dict(self.lightning_module, self.optimizers, model_state_dict=model, optim_state_dict=optimizers)
+        own = path / _RANK_BUFFERS.format(rank=self.global_rank)
+        if own.is_file():
+            self._load_buffers(torch.load(own, weights_only=True))
         self._loaded_sharded = True
         checkpoint = torch.load(path / _CHECKPOINT_META, weights_only=False)
         checkpoint.update(state_dict={}, optimizer_states=[])
@@ -265,6 +277,10 @@ class TorchPassFSDPStrategy(TorchPassDDPStrategy):
     def _boundary(self, step: int) -> None:
         self._entering = False
         self.runtime.boundary(step)
+        if self._entering_own is not None:
+            self._load_own(self._entering_own)
+            self._entering_own = None
+        self._own[step] = self._own_state()
         self._raise_if_failed()
         self._exchange_signals(step)
         if self.runtime.drain_due(step) is not None:
@@ -273,7 +289,10 @@ class TorchPassFSDPStrategy(TorchPassDDPStrategy):
         self._fetcher.tag = step
         self._fenced = False
         self._replicate(step, wait=False)
-        self._fetcher.forget_before(min(self.replicator.own, default=step))
+        oldest = min(self.replicator.own, default=step)
+        self._fetcher.forget_before(oldest)
+        for old in [s for s in self._own if s < oldest]:
+            del self._own[old]
 
     def _exchange_signals(self, step: int) -> None:
         """Planned migrations and step times (:meth:`Runtime.signals`): one small all-reduce per step, the
@@ -304,7 +323,7 @@ class TorchPassFSDPStrategy(TorchPassDDPStrategy):
         if not (force or self.replicator.due(step)):
             return
         try:
-            self.replicator.start_round(step, self._capture(), self._host_now())
+            self.replicator.start_round(step, {**self._capture(), "own": self._own[step]}, self._host_now())
             if wait:
                 self.replicator.fence()
         except PeerFailure as exc:
@@ -341,6 +360,7 @@ class TorchPassFSDPStrategy(TorchPassDDPStrategy):
         while True:
             if self._failure() is None:
                 self.runtime.boundary(step)
+                self._own[step] = self._own_state()
                 self._replicate(step, wait=True)
                 self.barrier("torchpass.fit_end")
             failure = self._failure()
@@ -370,6 +390,26 @@ class TorchPassFSDPStrategy(TorchPassDDPStrategy):
         if self._state_filter is None:
             return frozenset()
         return frozenset(n for n, p in self.lightning_module.named_parameters() if not self._state_filter(n, p))
+
+    def _own_state(self) -> dict:
+        """What differs between ranks besides the shard: module buffers (FSDP keeps each rank's own, e.g.
+        BatchNorm statistics) and the logged values and metric states. Copied, because the step's forward
+        changes them in place: a retried or rolled-back step starts again from this copy, and a spare from
+        its predecessor's, which the ring replica carries."""
+        return {"buffers": self._buffers(), "rank": copy.deepcopy(self.adapter.rank_state())}
+
+    def _buffers(self) -> dict[str, Tensor]:
+        return {name: b.detach().clone() for name, b in self.lightning_module.named_buffers()}
+
+    def _load_own(self, own: dict) -> None:
+        self._load_buffers(own["buffers"])
+        self.adapter.load_rank_state(copy.deepcopy(own["rank"]))  # the kept copy may be needed again
+
+    def _load_buffers(self, buffers: dict[str, Tensor]) -> None:
+        named = dict(self.lightning_module.named_buffers())
+        with torch.no_grad():
+            for name, value in buffers.items():
+                named[name].copy_(value)
 
     def _capture(self) -> dict:
         optimizer = self.optimizers[0] if self.optimizers else None
@@ -412,11 +452,13 @@ class TorchPassFSDPStrategy(TorchPassDDPStrategy):
         shard = shard_state.capture(self.lightning_module, optimizer)
         stable = {t.data_ptr() for t in shard["params"].values()}
         stable |= {t.data_ptr() for values in shard["optim"].values() for t in values.values()}
-        return {"host": self._host_checkpoint(self.lightning_module.trainer.global_step), "shard": shard}, stable
+        step = self.lightning_module.trainer.global_step
+        return {"host": self._host_checkpoint(step), "shard": shard, "own": self._own[step]}, stable
 
     @override
     def load_snapshot(self, state: Any) -> None:
         self._incoming = state["shard"]  # loaded into the shards once they exist (after setup)
+        self._entering_own = state["own"]
         self.adapter.load_state(state["host"])
 
     # -- recovery -----------------------------------------------------------------------------------------
@@ -479,6 +521,7 @@ class TorchPassFSDPStrategy(TorchPassDDPStrategy):
                 faults.point("promoted")
                 t0 = time.perf_counter()
                 self._incoming, nbytes = recv_state(rt.transport, source)
+                self._entering_own = self._incoming.pop("own")
                 rt.events.emit("state_received", rank=rt.rank, src=source, kind="shard", bytes=nbytes,
                                seconds=time.perf_counter() - t0)
         for lost in sorted(a.sources):
@@ -506,6 +549,7 @@ class TorchPassFSDPStrategy(TorchPassDDPStrategy):
             for optimizer, groups in zip(self.optimizers, host["param_groups"], strict=True):
                 _set_hyperparameters(optimizer, groups)
         rewind_loops(trainer.fit_loop, host["loops"])
+        self._load_own(self._own[step])  # also undoes what a retried step's forward did to them
         if self._fetcher is not None:
             self._fetcher.rewind(step)
         for optimizer in self.optimizers:
@@ -519,6 +563,15 @@ class TorchPassFSDPStrategy(TorchPassDDPStrategy):
     def barrier(self, name: Optional[str] = None) -> None:
         if not self._local_only():
             dist.barrier()
+
+    @override
+    def _wait_for_all(self, name: str) -> None:
+        if self._local_only():
+            return
+        try:
+            self.relay.transport.wait_for_all(name)
+        except PeerFailure as exc:
+            self.relay.poisoned = f"{name}: {exc}"
 
     @override
     def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:

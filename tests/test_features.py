@@ -1,0 +1,67 @@
+"""Lightning features users turn on every day, all at once (``scripts/lightning_features.py``: a
+``LightningDataModule`` with ``prepare_data``, augmenting loader workers, BatchNorm, two parameter groups,
+two LR schedulers, torchmetrics and ``sync_dist`` values per step and per epoch, gradient clipping,
+accumulation of 4, validation every 12 batches with ``ModelCheckpoint`` and ``EarlyStopping``, 3 epochs),
+under both strategies and two precisions. A SIGKILL between micro-batches of a later epoch, of rank 0 as
+often as of another rank, must leave every rank's full state (callbacks' included) equal to the
+failure-free run's, bit for bit."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from jobs import Job, run
+
+from torchpass_plugins.chaos.oracle import differences
+
+SCRIPT = Path(__file__).parent / "scripts" / "lightning_features.py"
+STEPS = 15  # 3 epochs of 80 samples per rank, batches of 4, 4 micro-batches per step
+pytestmark = pytest.mark.timeout(400)
+
+
+@pytest.fixture(scope="module")
+def failure_free(tmp_path_factory):
+    cache: dict[tuple[str, ...], Job] = {}
+
+    def get(args: tuple[str, ...]) -> Job:
+        if args not in cache:
+            job, codes = run(Path(tmp_path_factory.mktemp("features-reference")), nproc=3, spares=0,
+                             script=SCRIPT, train_args=args)
+            assert codes == [0], job.output()[-3000:]
+            cache[args] = job
+        return cache[args]
+
+    return get
+
+
+@pytest.mark.parametrize(
+    ("args", "fault"),
+    [
+        (("--strategy", "torchpass_ddp"), "kill@rank=0,step=8,phase=data,micro=2"),
+        (("--strategy", "torchpass_ddp", "--precision", "bf16-mixed", "--persistent-workers"),
+         "kill@rank=1,step=11,phase=backward,micro=3"),
+        (("--strategy", "torchpass_fsdp", "--precision", "bf16-mixed"), "kill@rank=0,step=9,phase=forward,micro=1"),
+    ],
+    ids=["ddp-rank0", "ddp-bf16-rank1", "fsdp-bf16-rank0"],
+)
+def test_a_kill_between_micro_batches_of_a_later_epoch_is_bit_exact_on_every_rank(tmp_path, failure_free, args, fault):
+    expected = failure_free(args)
+    job, codes = run(tmp_path, nproc=4, spares=1, script=SCRIPT, train_args=args, faults=fault)
+    assert codes == [0], job.output()[-3000:]
+    assert len(job.events("failure_detected")) == 1 and len(job.events("spare_promoted")) == 1
+    for rank in range(3):
+        found = differences(expected.state(rank), job.state(rank), f"rank{rank}")
+        assert not found, "differs from the failure-free run:\n" + "\n".join(found[:20])
+        assert job.applied(rank) == list(range(STEPS)), f"rank {rank} applied {job.applied(rank)}"
+    assert job.leftovers() == []
+
+
+def test_metrics_are_computed_over_every_rank(failure_free):
+    """torchmetrics and ``on_epoch`` values span the job (the default ``torch.distributed`` group is the
+    recoverable one), while a metric's per-step value stays the rank's own, as under Lightning's ``ddp``."""
+    job = failure_free(("--strategy", "torchpass_ddp"))
+    metrics = [job.state(rank)["callback_metrics"] for rank in range(3)]
+    for name in ("train_acc_epoch", "train_loss_epoch", "val_acc", "val_loss"):
+        assert all(m[name].item() == metrics[0][name].item() for m in metrics), name
+    assert len({m["train_acc_step"].item() for m in metrics}) > 1  # local: the ranks' batches differ

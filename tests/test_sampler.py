@@ -1,0 +1,92 @@
+"""The train loader's order and random streams from any position: what a spare resuming mid-epoch sees."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+
+from torchpass_plugins.sampler import SeededSampler, seed_fetches
+
+
+class Noisy(Dataset):
+    """Random augmentation from all three generators, as transforms draw them."""
+
+    def __len__(self) -> int:
+        return 96
+
+    def __getitem__(self, index: int):
+        return torch.full((2,), float(index)) + torch.randn(2), random.random(), float(np.random.rand())
+
+
+def _batches(skip: int = 0, epoch: int = 1, workers: int = 0, persistent: bool = False, epochs: int = 1):
+    dataset = Noisy()
+    seed_fetches(dataset)
+    inner = DistributedSampler(dataset, num_replicas=2, rank=1, shuffle=True, seed=5)
+    sampler = SeededSampler(inner, seed=11, rank=1, skip=skip, resume_epoch=epoch if skip else -1)
+    loader = DataLoader(dataset, batch_size=4, sampler=sampler, num_workers=workers, persistent_workers=persistent)
+    out = []
+    for e in range(epoch, epoch + epochs):
+        sampler.set_epoch(e)
+        out += [torch.cat([b[0].flatten(), b[1].double(), b[2].double()]) for b in loader]
+    return out
+
+
+def _same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+@pytest.mark.timeout(120)
+def test_augmentation_depends_only_on_the_position_in_the_epoch():
+    in_main = _batches(epochs=2)
+    assert _same(_batches(workers=2, epochs=2), in_main)  # whichever process loads a batch
+    assert _same(_batches(workers=2, persistent=True, epochs=2), in_main)  # workers kept across epochs
+    assert not _same(in_main[:12], in_main[12:])  # the next epoch draws other numbers
+
+
+@pytest.mark.timeout(120)
+def test_a_resumed_epoch_skips_what_was_taken_and_draws_what_the_predecessor_drew():
+    full = _batches(epoch=2, workers=2)
+    dataset = Noisy()
+    seed_fetches(dataset)
+    inner = DistributedSampler(dataset, num_replicas=2, rank=1, shuffle=True, seed=5)
+    # Lightning makes a resumed run's iterator before it sets the sampler's epoch: the epoch comes from here.
+    resumed = SeededSampler(inner, seed=11, rank=1, skip=5 * 4, resume_epoch=2)
+    loader = DataLoader(dataset, batch_size=4, sampler=resumed, num_workers=2)
+    got = [torch.cat([b[0].flatten(), b[1].double(), b[2].double()]) for b in loader]
+    assert _same(got, full[5:])
+    assert len(resumed) == len(inner)  # Lightning counts the epoch's batches from the full length
+    resumed.set_epoch(3)
+    assert _same([torch.cat([b[0].flatten(), b[1].double(), b[2].double()]) for b in loader], _batches(epoch=3))
+
+
+def test_loading_in_the_main_process_leaves_the_training_stream_alone():
+    # (making the iterator draws its base seed: Lightning does that before the step's reseed)
+    batches = iter(DataLoader(_seeded(Noisy()), batch_size=4, sampler=SeededSampler(range(96), 1, 0)))
+
+    def draws(fetch: bool) -> tuple:
+        torch.manual_seed(0), random.seed(0), np.random.seed(0)
+        if fetch:
+            next(batches)
+        return torch.rand(3), random.random(), float(np.random.rand())
+
+    expected, got = draws(fetch=False), draws(fetch=True)
+    assert torch.equal(got[0], expected[0]) and got[1:] == expected[1:]
+
+
+def test_other_loaders_of_the_same_dataset_load_as_before():
+    dataset = Noisy()
+    seed_fetches(dataset)
+    torch.manual_seed(3)
+    plain = next(iter(DataLoader(Noisy(), batch_size=4)))
+    torch.manual_seed(3)
+    shared = next(iter(DataLoader(dataset, batch_size=4)))  # a validation loader: plain indices
+    assert torch.equal(plain[0], shared[0])
+
+
+def _seeded(dataset: Dataset) -> Dataset:
+    seed_fetches(dataset)
+    return dataset

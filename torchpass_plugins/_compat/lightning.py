@@ -1,0 +1,188 @@
+"""Lightning's per-rank logging state, read and written as plain data (checked against lightning 2.4-2.6).
+
+What a rank logged with ``self.log`` lives in the train loop's ``_ResultCollection`` (one ``_ResultMetric``
+per key: the running sum and batch count of an ``on_epoch`` value, the last ``on_step`` value) and in the
+logger connector's ``callback_metrics``; a torchmetrics ``Metric`` keeps its counts in its own states.
+None of it is in a checkpoint, and all of it differs between ranks. :func:`rank_local_state` captures it as
+nested dicts of tensors and plain values (so it travels like any other state), and
+:func:`load_rank_local_state` puts it back, creating the result entries a fresh process has not logged yet.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from lightning.pytorch.trainer.connectors import data_connector
+from lightning.pytorch.trainer.connectors.logger_connector.result import _Metadata, _ResultMetric, _Sync
+from torchmetrics import Metric
+
+from torchpass_plugins.errors import ConfigError
+
+_REDUCE = {"mean": torch.mean, "sum": torch.sum, "max": torch.max, "min": torch.min}
+_META = (
+    "fx",
+    "name",
+    "prog_bar",
+    "logger",
+    "on_step",
+    "on_epoch",
+    "enable_graph",
+    "add_dataloader_idx",
+    "dataloader_idx",
+    "metric_attribute",
+)
+
+
+def _metric_state(metric: Metric) -> dict[str, Any]:
+    return {
+        "states": {name: getattr(metric, name) for name in metric._defaults},
+        "update_count": metric._update_count,
+        "computed": metric._computed,
+        "forward_cache": metric._forward_cache,
+    }
+
+
+def _load_metric_state(metric: Metric, state: dict[str, Any]) -> None:
+    for name, value in state["states"].items():
+        setattr(metric, name, value)
+    metric._update_count, metric._computed = state["update_count"], state["computed"]
+    metric._forward_cache = state["forward_cache"]
+
+
+def _result(item: _ResultMetric) -> dict[str, Any]:
+    meta = item.meta
+    return {
+        "meta": {name: getattr(meta, name) for name in _META},
+        "reduce": meta.reduce_fx.__name__,
+        "sync": (meta.sync.should, meta.sync.rank_zero_only),
+        "is_tensor": item.is_tensor,
+        "state": _metric_state(item) if item.is_tensor else {"forward_cache": item._forward_cache},
+        "has_reset": item.has_reset,
+    }
+
+
+def rank_local_state(trainer: Any) -> dict[str, Any]:
+    """This rank's logged values, metric states and ``callback_metrics``, as plain data."""
+    module, connector = trainer.lightning_module, trainer._logger_connector
+    return {
+        "epoch": trainer.current_epoch,
+        "metrics": {path: _metric_state(m) for path, m in module.named_modules() if isinstance(m, Metric)},
+        "results": {key: _result(item) for key, item in trainer.fit_loop.epoch_loop._results.items()},
+        "logger": {
+            "callback": dict(connector._callback_metrics),
+            "logged": dict(connector._logged_metrics),
+            "pbar": dict(connector._progress_bar_metrics),
+            # which hook logged last and whether this is an epoch's first batch: when they say a new
+            # epoch began, the next ``self.log`` resets the epoch's running values
+            "current_fx": connector._current_fx,
+            "first_loop_iter": connector._first_loop_iter,
+        },
+    }
+
+
+def load_rank_local_state(trainer: Any, state: dict[str, Any]) -> None:
+    """Make this rank's logging state ``state`` (taken by :func:`rank_local_state` on another process). A state
+    taken in an earlier epoch than this rank is in is then reset as the end of that epoch reset it."""
+    module, connector = trainer.lightning_module, trainer._logger_connector
+    metrics = {path: m for path, m in module.named_modules() if isinstance(m, Metric)}
+    for path, metric_state in state["metrics"].items():
+        _load_metric_state(metrics[path], metric_state)
+    results = trainer.fit_loop.epoch_loop._results
+    for key in [k for k in results if k not in state["results"]]:
+        del results[key]
+    for key, saved in state["results"].items():
+        item = results.get(key)
+        if item is None:
+            meta = _Metadata(**saved["meta"], reduce_fx=_REDUCE[saved["reduce"]])
+            should, rank_zero_only = saved["sync"]
+            meta.sync = _Sync(fn=trainer.strategy.reduce, _should=should, rank_zero_only=rank_zero_only)
+            item = results[key] = _ResultMetric(meta, saved["is_tensor"])
+        if item.is_tensor:
+            _load_metric_state(item, saved["state"])
+        else:
+            item.value = getattr(module, saved["meta"]["metric_attribute"])
+            item._forward_cache = saved["state"]["forward_cache"]
+        item.has_reset = saved["has_reset"]
+    connector._callback_metrics = dict(state["logger"]["callback"])
+    connector._logged_metrics = dict(state["logger"]["logged"])
+    connector._progress_bar_metrics = dict(state["logger"]["pbar"])
+    connector._current_fx, connector._first_loop_iter = (
+        state["logger"]["current_fx"],
+        state["logger"]["first_loop_iter"],
+    )
+    if state["epoch"] < trainer.current_epoch:
+        results.reset()  # what the epoch's end did (``reset_results``)
+        connector._current_fx = connector._first_loop_iter = None
+
+
+def replayed_batch_end(loop: Any, ready_before: int) -> bool:
+    """Whether the epoch loop's ``advance`` just returned without taking a batch because it restarted from a
+    state saved after the batch had ended (``_skip_next_val``): its ``on_advance_end`` would then count the
+    ended batch a second time (``_batches_that_stepped``). A spare enters from a step boundary, after that
+    batch's end, so that ``on_advance_end`` must not run; the flag is cleared as it would have been."""
+    if loop.batch_progress.total.ready != ready_before or not loop._skip_next_val:
+        return False
+    loop._skip_next_val = False
+    return True
+
+
+def refuse_unsupported(trainer: Any) -> None:
+    """Refuse, on every rank and before training, what a spare could not continue bit for bit."""
+    if trainer.strategy._layer_sync is not None:
+        raise ConfigError(
+            "torchpass: Trainer(sync_batchnorm=True) is not supported: SyncBatchNorm's collectives run inside "
+            "forward, outside the recoverable step. Remove it (plain BatchNorm works: each rank's statistics "
+            "are kept and handed on)."
+        )
+    if not trainer.lightning_module.automatic_optimization:
+        raise ConfigError(
+            "torchpass: manual optimization (automatic_optimization = False) is not supported: a spare enters at "
+            "a step boundary, and a failure between a batch's optimizer steps could not be continued. Use "
+            "automatic optimization."
+        )
+    closures = [type(o).__name__ for o in trainer.optimizers if isinstance(o, torch.optim.LBFGS)]
+    if closures:
+        raise ConfigError(
+            f"torchpass: the {closures[0]} optimizer is not supported: it evaluates the closure (forward and "
+            "backward) several times per step, and each gradient reduction must belong to one step. Use an "
+            "optimizer that takes one gradient per step."
+        )
+
+
+class _PatientBarrier:
+    """What ``prepare_data`` runs in place of Lightning's ``_InfiniteBarrier``: the same shape (a context
+    that waits as it exits, callable to wait), through the strategy's own wait."""
+
+    def __init__(self, wait: Callable[[], None]) -> None:
+        self.wait = wait
+
+    def __call__(self) -> None:
+        self.wait()
+
+    def __enter__(self) -> _PatientBarrier:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.wait()
+
+
+def wait_in_prepare_data(trainer: Any, wait: Callable[[str], None]) -> None:
+    """Make ``trainer``'s ``prepare_data`` wait for the other ranks with ``wait(name)`` (a barrier with no
+    time limit). Lightning's ``_InfiniteBarrier`` makes a new gloo group on the default group's store,
+    which torchpass's default group does not share with the other ranks (it would wait forever) and which
+    a spare could never join; the swap lasts only while ``prepare_data`` runs."""
+    connector = trainer._data_connector
+    prepare, calls = connector.prepare_data, itertools.count()
+
+    def prepare_data() -> None:
+        original = data_connector._InfiniteBarrier
+        data_connector._InfiniteBarrier = lambda: _PatientBarrier(lambda: wait(f"prepare_data.{next(calls)}"))
+        try:
+            prepare()
+        finally:
+            data_connector._InfiniteBarrier = original
+
+    connector.prepare_data = prepare_data
