@@ -60,6 +60,13 @@ class _Loop:
     def state_tensors(self) -> list[torch.Tensor]:
         return []
 
+    def rank_state(self) -> dict:
+        """What a Lightning rank copies to its ring successor twice per step: its logged running values."""
+        return {"loss": {"value": torch.zeros(()), "cumulated_batch_size": torch.zeros(())}, "step": self.applied}
+
+    def load_rank_state(self, state: Any) -> None:
+        raise RuntimeError("reduction_ab runs without spares: no state to adopt")
+
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)

@@ -40,6 +40,19 @@ class Unrecoverable(JobAborted):
 UNRECOVERABLE_EXIT = 79  # the message is in ``abort_request_key(worker)``
 
 
+def lost_after_the_step(step: int) -> Unrecoverable:
+    """A rank was lost after ``step``'s optimizer step, in a collective no other rank completed. A spare can
+    enter only at a step boundary, so the collective cannot complete, and a result of fewer ranks would be
+    made up (the code after it, early stopping or the best checkpoint, may act on it): the job stops (and
+    restarts from its newest snapshot) instead."""
+    return Unrecoverable(
+        f"torchpass: a rank was lost after step {step}'s optimizer step, in a collective of what runs after it "
+        "(validation, an epoch's end, evaluation) that no other rank had completed; a spare can only enter at a "
+        "step boundary, so the job stops rather than go on with a result made of fewer ranks. Submit it again "
+        "to resume from its newest snapshot."
+    )
+
+
 class JoinRejected(PermissionError):
     """The coordinator refused this worker (a wrong join token): its agent stops instead of refilling."""
 

@@ -6,7 +6,9 @@ must outlive failures. :class:`RelayGroup` is a Python ``ProcessGroup`` register
 through the escapable :class:`Transport` waits. When one fails, the relay is *poisoned*: that collective
 and every later one complete at once, locally, with zeroed outputs, so FSDP's hooks run to the end of
 the step in a consistent state and nothing blocks. The strategy then discards the step (before the
-optimizer applies it) and the recovery restores a consistent state on every rank.
+optimizer applies it) and the recovery restores a consistent state on every rank. After the optimizer
+step (``after_step``: validation, an epoch's end) nothing is discarded, so a zeroed result would stay:
+there a failed collective raises instead (the job restarts from its newest snapshot).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import _create_work_from_future
 
+from torchpass_plugins.membership import lost_after_the_step
 from torchpass_plugins.transport import PeerFailure, Transport
 
 BACKEND = "torchpass"
@@ -30,6 +33,7 @@ class RelayGroup(dist.ProcessGroup):
         super().__init__(rank, world_size)
         self.transport = transport
         self.poisoned: str | None = None
+        self.after_step: int | None = None  # the step whose optimizer step was applied, until the next boundary
         self._before_reduce = before_reduce
 
     def heal(self) -> None:
@@ -38,6 +42,11 @@ class RelayGroup(dist.ProcessGroup):
 
     def getBackendName(self) -> str:
         return BACKEND
+
+    def refuse_made_up(self) -> None:
+        """After the optimizer step, a failed collective's local result would be kept: raise instead."""
+        if self.poisoned is not None and self.after_step is not None:
+            raise lost_after_the_step(self.after_step)
 
     def _run(self, what: str, outputs: list[torch.Tensor], issue: Callable[[dist.ProcessGroup], list]) -> dist.Work:
         if self.poisoned is None:
@@ -49,6 +58,7 @@ class RelayGroup(dist.ProcessGroup):
                     t.wait(work, what)
             except PeerFailure as exc:
                 self.poisoned = f"{what}: {exc}"
+        self.refuse_made_up()
         if self.poisoned is not None:
             for out in outputs:
                 out.zero_()

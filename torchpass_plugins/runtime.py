@@ -39,6 +39,7 @@ from torchpass_plugins.membership import (
     Member,
     Unrecoverable,
     WorkerEnv,
+    lost_after_the_step,
     reached_key,
 )
 from torchpass_plugins.rank_state import RankStateRing
@@ -296,15 +297,8 @@ class Runtime:
         if pos < self._replay_from:
             return skipped
         # No survivor completed it, and the spare cannot take part: it enters at the next step boundary, so
-        # this collective runs after the optimizer step (validation, an epoch's end, evaluation) of the step
-        # the lost rank completed. A result of fewer ranks would be made up, and the code after it (early
-        # stopping, the best checkpoint) may act on it: the job stops instead.
-        raise Unrecoverable(
-            f"torchpass: a rank was lost after step {pos[0]}'s optimizer step, in a collective of what runs after "
-            "it (validation, an epoch's end, evaluation) that no other rank had completed; a spare can only "
-            "enter at a step boundary, so the job stops rather than go on with a result made of fewer ranks. "
-            "Submit it again to resume from its newest snapshot."
-        )
+        # this collective runs after the optimizer step of the step the lost rank completed.
+        raise lost_after_the_step(pos[0])
 
     def reduce_gradients(self, buckets: GradientBuckets) -> None:
         """All-reduce the gradient buckets, then vote to commit the step; then the buckets hold the sum.

@@ -276,6 +276,7 @@ class TorchPassFSDPStrategy(TorchPassDDPStrategy):
 
     def _boundary(self, step: int) -> None:
         self._entering = False
+        self.relay.after_step = None
         self.runtime.boundary(step)
         if self._entering_own is not None:
             self._load_own(self._entering_own)
@@ -350,6 +351,7 @@ class TorchPassFSDPStrategy(TorchPassDDPStrategy):
             return result
 
         result = ParallelStrategy.optimizer_step(self, optimizer, closure_then_check, model, **kwargs)
+        self.relay.after_step = self.runtime.last_boundary  # applied: nothing until the next boundary is retried
         faults.point("optimizer")
         return result
 
@@ -357,6 +359,7 @@ class TorchPassFSDPStrategy(TorchPassDDPStrategy):
     def on_train_end(self) -> None:
         step = self.lightning_module.trainer.global_step
         self._entering = False
+        self.relay.after_step = None  # the final boundary: a failure from here on is recovered
         while True:
             if self._failure() is None:
                 self.runtime.boundary(step)
@@ -555,8 +558,10 @@ class TorchPassFSDPStrategy(TorchPassDDPStrategy):
         for optimizer in self.optimizers:
             optimizer.zero_grad(set_to_none=True)
 
-    # -- collectives (a poisoned relay leaves each rank with its local value) ---------------------------
+    # -- collectives (a poisoned relay leaves each rank with its local value within a step; after its
+    # optimizer step, see :meth:`RelayGroup.refuse_made_up`) ------------------------------------------
     def _local_only(self) -> bool:
+        self.relay.refuse_made_up()
         return self._entering or self.relay.poisoned is not None
 
     @override
