@@ -102,9 +102,12 @@ def run_demo(steps: int = 60, run_dir: str = "torchpass_runs/demo") -> int:
     root = Path(run_dir)
     console.rule("[bold]torchpass demo: lose a worker, not your progress")
     console.print(f"3 active workers + 1 spare train a small classifier for {steps} steps (AdamW, dropout, "
-                  "per-step LR schedule, gradient accumulation 2). One worker is SIGKILLed mid-run.")
+                  "per-step LR schedule, gradient accumulation 2, BatchNorm, augmenting loader workers, a metric). "
+                  "One worker is SIGKILLed mid-run.")
     failing = _start(root / "with-failure", nproc=WORLD + 1, spares=1, steps=steps)
-    killed_at = _follow(console, failing, steps, "with failure", kill_at=steps // 3)
+    # mid-epoch (an epoch is 10 steps): a kill just after an epoch's last step lands in the epoch-end metric
+    # synchronization, which no spare can join, and the job restarts instead (docs/failure-semantics.md)
+    killed_at = _follow(console, failing, steps, "with failure", kill_at=steps // 3 + 5)
     console.print("Now the same job without failures, for comparison.")
     reference = _start(root / "reference", nproc=WORLD, spares=0, steps=steps)
     _follow(console, reference, steps, "reference   ")
