@@ -391,16 +391,7 @@ class Runtime:
             self.adapter.load_rank_state(self._entering_rank_state)
             self._entering_rank_state = None
         state = self.adapter.rank_state()
-        pos = (step, self.count)
-        self.count += 1
-        while not self._behind(pos):
-            try:
-                if self.transport.stale() or self.transport.pg is None:
-                    raise PeerFailure("newer roster")
-                self.rank_state.exchange(self.transport, "boundary", step, state)
-                return
-            except PeerFailure as exc:
-                self._recover(pos, reduced=False, cause=str(exc))
+        self.collective(lambda t: self.rank_state.exchange(t, "boundary", step, state), None)
 
     def _send_to(self, transport: Transport, spares: list[int], state: Any) -> None:
         for dst in spares:

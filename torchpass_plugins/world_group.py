@@ -111,8 +111,8 @@ class RecoverableWorldGroup(dist.ProcessGroup):
 def install(runtime: Runtime) -> RecoverableWorldGroup:
     """Make a :class:`RecoverableWorldGroup` the process's default group (``dist.is_initialized()``); a
     second call (``trainer.fit`` then ``trainer.test``) finds it in place."""
-    if dist.is_initialized() and isinstance(c10d._get_default_group(), RecoverableWorldGroup):
-        return c10d._get_default_group()
+    if dist.is_initialized() and isinstance(dist.group.WORLD, RecoverableWorldGroup):
+        return dist.group.WORLD
     if dist.is_initialized():
         raise RuntimeError(
             "torchpass: torch.distributed is initialized already; create TorchPass() before Accelerator() "
