@@ -1,8 +1,8 @@
 """A plain Accelerate loop (``examples/accelerate/train.py``: AdamW with two parameter groups, gradient
-clipping, a scheduler, a shuffled loader through ``prepare``, gradient accumulation 2, dropout, an evaluation
-per epoch through ``gather_for_metrics``, a stateful object of the script's own) under ``accelerate launch``
-with the torchpass supervisor: a killed worker is replaced live and every rank ends with the failure-free
-run's full state, bit for bit."""
+clipping, a scheduler, a shuffled loader through ``prepare`` with augmentation in two workers, gradient
+accumulation 2, dropout, an evaluation per epoch through ``gather_for_metrics``, a stateful object of the
+script's own) under ``accelerate launch`` with the torchpass supervisor, in fp32 and bf16: a killed worker
+is replaced live and every rank ends with the failure-free run's full state, bit for bit."""
 
 from __future__ import annotations
 
@@ -22,9 +22,9 @@ EXAMPLE = REPO / "examples" / "accelerate" / "train.py"
 STEPS = 16  # 2 passes over 768 samples, 3 ranks x 16 per batch, 2 micro-batches per step
 
 
-def _accelerate(run_dir: Path, processes: int, spares: int, faults: str = "") -> Job:
+def _accelerate(run_dir: Path, processes: int, spares: int, faults: str = "", precision: str = "no") -> Job:
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(processes),
-           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+           "--num_machines", "1", "--mixed_precision", precision, "--dynamo_backend", "no",
            "--main_process_port", str(free_port()),
            "-m", "torchpass_plugins.run", "--spares", str(spares), "--run-dir", str(run_dir),
            str(EXAMPLE), "--out", str(run_dir / "out")]  # fmt: skip
@@ -42,13 +42,22 @@ def failure_free(tmp_path_factory):
     return job
 
 
-@pytest.mark.parametrize("fault", ["kill@rank=1,step=9,phase=reduce", "kill@rank=0,step=3,phase=boundary"])
-def test_a_killed_worker_of_an_accelerate_loop_is_replaced_bit_exactly(tmp_path, failure_free, fault):
-    job = _accelerate(tmp_path, processes=4, spares=1, faults=fault)
+@pytest.fixture(scope="module")
+def failure_free_bf16(tmp_path_factory, failure_free):
+    job = _accelerate(Path(tmp_path_factory.mktemp("accelerate-reference-bf16")), 3, 0, precision="bf16")
+    assert differences(failure_free.state(0), job.state(0))  # autocast did run in bf16
+    return job
+
+
+@pytest.mark.parametrize(("fault", "precision"), [("kill@rank=1,step=9,phase=reduce", "no"),
+                                                  ("kill@rank=0,step=3,phase=boundary", "bf16")])
+def test_a_killed_worker_of_an_accelerate_loop_is_replaced_bit_exactly(tmp_path, request, fault, precision):
+    expected = request.getfixturevalue("failure_free_bf16" if precision == "bf16" else "failure_free")
+    job = _accelerate(tmp_path, processes=4, spares=1, faults=fault, precision=precision)
     assert [e["rank"] for e in job.events("failure_detected")] == [int(fault.split("rank=")[1][0])]
     assert len(job.events("state_received")) == 1
-    assert job.final()["applied"] == failure_free.final()["applied"] == STEPS
-    assert_same_state(job, failure_free)
+    assert job.final()["applied"] == expected.final()["applied"] == STEPS
+    assert_same_state(job, expected)
     for rank in range(3):  # every optimizer step applied exactly once on every logical rank
         assert job.applied(rank) == list(range(STEPS)), f"rank {rank} applied {job.applied(rank)}"
 
@@ -85,7 +94,7 @@ def test_without_a_supervisor_the_loop_runs_unprotected_after_one_warning(monkey
         assert list(tp.batches([1, 2, 3])) == [1, 2, 3]
 
 
-def test_a_shuffled_loader_without_a_seedable_sampler_is_refused_with_the_fix():
+def test_a_loader_a_spare_could_not_reposition_is_refused_with_the_fix():
     from accelerate import Accelerator, DataLoaderConfiguration
     from torch.utils.data import DataLoader, TensorDataset
 
@@ -95,6 +104,10 @@ def test_a_shuffled_loader_without_a_seedable_sampler_is_refused_with_the_fix():
         check_loader(plain)
     seeded = Accelerator(cpu=True, dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True))
     check_loader(seeded.prepare(DataLoader(data, batch_size=2, shuffle=True)))
+    stateful = Accelerator(cpu=True, dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True,
+                                                                            use_stateful_dataloader=True))
+    with pytest.raises(ConfigError, match="drop use_stateful_dataloader=True"):
+        check_loader(stateful.prepare(DataLoader(data, batch_size=2, shuffle=True)))
 
 
 def test_an_accelerator_that_does_not_see_the_jobs_ranks_is_refused():

@@ -7,9 +7,11 @@ import random
 import numpy as np
 import pytest
 import torch
-from torch.utils.data import DataLoader, Dataset, DistributedSampler
+from lightning.fabric.utilities.distributed import DistributedSamplerWrapper
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, RandomSampler
 
-from torchpass_plugins.sampler import SeededSampler, seed_fetches
+from torchpass_plugins._compat.lightning import users_sampler
+from torchpass_plugins.sampler import SeededSampler, generators_of, seed_fetches
 
 
 class Noisy(Dataset):
@@ -61,6 +63,36 @@ def test_a_resumed_epoch_skips_what_was_taken_and_draws_what_the_predecessor_dre
     assert len(resumed) == len(inner)  # Lightning counts the epoch's batches from the full length
     resumed.set_epoch(3)
     assert _same([torch.cat([b[0].flatten(), b[1].double(), b[2].double()]) for b in loader], _batches(epoch=3))
+
+
+@pytest.mark.parametrize("own_generator", [False, True], ids=["global-generators", "own-generator"])
+def test_a_random_order_of_the_users_is_split_between_the_ranks_and_redrawn_on_a_spare(own_generator):
+    """A user's own ``RandomSampler`` (or a ``StatefulDataLoader``'s), which Lightning wraps in a
+    ``DistributedSamplerWrapper``, drawing from the global generators or from one of its own that runs on
+    from epoch to epoch: every rank must draw the same order, or their shares overlap, and a spare must
+    draw the order of the epoch it enters, whatever its generators did before."""
+
+    def shares(rank: int, state: int, epochs: range, skip: int = 0) -> list[list[int]]:
+        torch.manual_seed(state)  # each process's generators are somewhere else
+        own = torch.Generator().manual_seed(state) if own_generator else None
+        inner = DistributedSamplerWrapper(RandomSampler(range(96), generator=own), num_replicas=3, rank=rank,
+                                          shuffle=False)
+        generators = generators_of(inner) + generators_of(users_sampler(inner))
+        sampler = SeededSampler(inner, 11, rank, skip=skip, resume_epoch=epochs[0] if skip else -1,
+                                generators=generators)
+        out = []
+        for epoch in epochs:
+            sampler.set_epoch(epoch)
+            out.append([int(i) for i in sampler])
+        return out
+
+    job = [shares(rank, state=rank, epochs=range(2)) for rank in range(3)]
+    for epoch in range(2):
+        assert sorted(i for rank in range(3) for i in job[rank][epoch]) == list(range(96))
+    assert job[1][0] != job[1][1]
+    assert shares(1, state=99, epochs=range(1, 2), skip=8) == [job[1][1][8:]]
+    shares(0, state=5, epochs=range(1))
+    assert torch.equal(torch.random.get_rng_state(), torch.manual_seed(5).get_state())  # put back
 
 
 def test_loading_in_the_main_process_leaves_the_training_stream_alone():

@@ -43,6 +43,7 @@ from torchpass_plugins.errors import ConfigError
 from torchpass_plugins.grad_buckets import GradientBuckets
 from torchpass_plugins.membership import WorkerEnv
 from torchpass_plugins.runtime import Runtime
+from torchpass_plugins.sampler import SeededSampler, seed_fetches
 from torchpass_plugins.tree import tensors_in
 
 log = logging.getLogger(__name__)
@@ -87,11 +88,29 @@ def check_loader(loader: Any) -> None:
             "torchpass: a shuffled loader must draw its order from a seed, so that a spare can take the "
             "same batches: Accelerator(dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True))"
         )
+    if getattr(loader, "use_stateful_dataloader", False):
+        raise ConfigError(
+            "torchpass: a spare repositions the train loader itself (it skips the batches its predecessor took, "
+            "with skip_first_batches, which Accelerate does not support on a StatefulDataLoader): drop "
+            "use_stateful_dataloader=True from the DataLoaderConfiguration"
+        )
     if loader.rng_types:
         raise ConfigError(
             f"torchpass: the loader synchronizes RNG states ({loader.rng_types}) at each pass; torchpass "
             "reseeds every step instead: drop rng_types (or use use_seedable_sampler=True)"
         )
+
+
+def seed_loader(loader: Any, seed: int) -> SeededSampler:
+    """Give the prepared loader's batches seeds of their place in the job's order, and make the dataset
+    reseed from them as it loads (see :mod:`torchpass_plugins.sampler`): augmentation in loader workers
+    then draws the same numbers on a spare that starts mid-pass as on the rank it replaces."""
+    holder = loader.batch_sampler  # BatchSamplerShard -> BatchSampler -> the index sampler
+    while getattr(holder, "batch_sampler", None) is not None:
+        holder = holder.batch_sampler
+    holder.sampler = SeededSampler(holder.sampler, seed, rank=0)
+    seed_fetches(loader.dataset)
+    return holder.sampler
 
 
 class TorchPass:
@@ -153,6 +172,7 @@ class TorchPass:
             )
         check_layout(accelerator, self.runtime)
         check_loader(loaders[0])
+        self._order = seed_loader(loaders[0], self.runtime.seed)
         for name, obj in objects.items():
             if not (_stateful(obj) or isinstance(obj, DataLoaderShard)):
                 raise ConfigError(f"torchpass: track({name}=...) has no state_dict/load_state_dict to hand over")
@@ -196,6 +216,7 @@ class TorchPass:
         if loader is not self.loader:
             raise ConfigError("torchpass: batches() takes the train loader that was passed to track()")
         self.loader.iteration = self._iteration
+        self._order.set_epoch(self._iteration)  # a spare's skipping loader does not pass the epoch on
         source = self.loader
         if self._consumed:  # a spare resumes mid-pass: the sampler skips what its predecessor took
             source = self.accelerator.skip_first_batches(self.loader, self._consumed)

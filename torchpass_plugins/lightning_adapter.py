@@ -10,12 +10,18 @@ from typing import TYPE_CHECKING, Any
 from lightning.pytorch.utilities.data import _update_dataloader
 from torch import Tensor
 from torch.distributed.tensor import DTensor
-from torch.utils.data import IterableDataset
+from torch.utils.data import BatchSampler, IterableDataset
 
 from torchpass_plugins import faults
-from torchpass_plugins._compat.lightning import load_rank_local_state, rank_local_state, replayed_batch_end
+from torchpass_plugins._compat.lightning import (
+    drop_loader_positions,
+    load_rank_local_state,
+    rank_local_state,
+    replayed_batch_end,
+    users_sampler,
+)
 from torchpass_plugins.errors import ConfigError
-from torchpass_plugins.sampler import SeededSampler, seed_fetches
+from torchpass_plugins.sampler import SeededSampler, generators_of, seed_fetches
 from torchpass_plugins.tree import tensors_in
 
 if TYPE_CHECKING:
@@ -24,8 +30,24 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-def _is_stateful(obj: Any) -> bool:
-    return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
+def _fixed_size_batch_samplers() -> tuple[type, ...]:
+    try:
+        from torchdata.stateful_dataloader.sampler import BatchSampler as StatefulBatchSampler
+    except ImportError:
+        return (BatchSampler,)
+    return BatchSampler, StatefulBatchSampler
+
+
+def _index_sampler(dataloader: Any) -> tuple[Any, int | None]:
+    """The sampler of single indices and the fixed batch size of a train loader: the loader's own, or
+    those of its batch sampler where it is one of fixed size (a ``StatefulDataLoader``'s, which Lightning
+    rebuilds around its distributed sampler). ``(sampler, None)`` for any other batch sampler."""
+    if dataloader.batch_size is not None:
+        return dataloader.sampler, dataloader.batch_size
+    batches = dataloader.batch_sampler
+    if type(batches) in _fixed_size_batch_samplers():
+        return batches.sampler, batches.batch_size
+    return getattr(dataloader, "sampler", None), None
 
 
 class LightningAdapter:
@@ -81,6 +103,7 @@ class LightningAdapter:
         fit = checkpoint.get("loops", {}).get("fit_loop")
         if fit is None:
             return
+        drop_loader_positions(fit)
         batches = fit["epoch_loop.batch_progress"]
         # A checkpoint written after an epoch's last batch resumes at the start of the next epoch.
         self._resume = (
@@ -117,26 +140,27 @@ class LightningAdapter:
     def prepare_train_loader(self, dataloader: Any) -> Any:
         """Every rank's train loader: positions carry their seeds and batches reseed as they load (see
         :mod:`torchpass_plugins.sampler`); on a spare it starts at the batch its predecessor was about to take.
-        A loader no spare could resume is refused here, on every rank, before training."""
+        A ``StatefulDataLoader`` is treated alike (its own saved position is dropped on resuming: see
+        :func:`drop_loader_positions`). A loader no spare could resume is refused here, on every rank,
+        before training."""
         epoch, batches = self._resume or (-1, 0)
         self._resume = None
-        if _is_stateful(dataloader):
-            return dataloader  # a stateful loader is repositioned by Lightning's loop restore itself
-        sampler = getattr(dataloader, "sampler", None)
         if isinstance(getattr(dataloader, "dataset", None), IterableDataset):
             raise ConfigError(
-                "torchpass: the train DataLoader reads an IterableDataset, whose position a spare cannot restore "
-                "(it would start the stream over). Use a map-style Dataset, or a loader with "
-                "state_dict()/load_state_dict() (e.g. torchdata's StatefulDataLoader)."
+                "torchpass: the train DataLoader reads an IterableDataset: a spare cannot take up a lost rank's "
+                "stream where it stopped (its position died with the rank, a StatefulDataLoader's too). Use a "
+                "map-style Dataset (one with __getitem__ and __len__)."
             )
-        if not hasattr(sampler, "set_epoch") or dataloader.batch_size is None:
+        sampler, batch_size = _index_sampler(dataloader)
+        if not hasattr(sampler, "set_epoch") or batch_size is None:
             raise ConfigError(
                 "torchpass: a spare resumes the train DataLoader at the batch its predecessor was about to take, "
-                "which needs a batch_size and a sampler with set_epoch (Lightning's DistributedSampler, injected "
-                f"with use_distributed_sampler=True); got sampler {type(sampler).__name__}, "
-                f"batch_size {dataloader.batch_size}"
+                "which needs batches of a fixed size and a sampler with set_epoch (Lightning's DistributedSampler, "
+                f"injected with use_distributed_sampler=True); got sampler {type(sampler).__name__}, "
+                f"batch size {batch_size}"
             )
         runtime = self.strategy.runtime
         seed_fetches(dataloader.dataset)
-        seeded = SeededSampler(sampler, runtime.seed, runtime.rank, batches * dataloader.batch_size, epoch)
+        generators = generators_of(sampler) + generators_of(users_sampler(sampler))
+        seeded = SeededSampler(sampler, runtime.seed, runtime.rank, batches * batch_size, epoch, generators)
         return _update_dataloader(dataloader, seeded)

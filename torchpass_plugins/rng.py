@@ -33,6 +33,15 @@ def data_seed(seed: int, rank: int, epoch: int, position: int) -> int:
     return step_seed(seed ^ _DATA, rank, (epoch << 32) + position)
 
 
+_ORDER = 0x3C6EF372FE94F82B
+
+
+def order_seed(seed: int, epoch: int) -> int:
+    """The seed of ``epoch``'s sample order: the same on every rank, as the order a sampler splits between
+    the ranks must be."""
+    return step_seed(seed ^ _ORDER, 0, epoch)
+
+
 def reseed(seed: int, rank: int, step: int) -> None:
     s = step_seed(seed, rank, step)
     seed_cpu(s)

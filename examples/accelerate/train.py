@@ -1,9 +1,9 @@
 """A plain Accelerate training loop that survives the loss of a worker (see README.md beside it).
 
 Four lines differ from the loop without torchpass: ``TorchPass()``, ``tp.track(...)``, ``tp.epochs`` and
-``tp.batches``. The loop is a usual one: two parameter groups, gradient clipping, a scheduler, an
-evaluation pass per epoch through ``gather_for_metrics``, and an object of its own (the best accuracy)
-whose state travels with the rest. Run it with a spare::
+``tp.batches``. The loop is a usual one: random augmentation in two loader workers, two parameter groups,
+gradient clipping, a scheduler, an evaluation pass per epoch through ``gather_for_metrics``, and an object
+of its own (the best accuracy) whose state travels with the rest. Run it with a spare::
 
     accelerate launch --multi_gpu --num_processes 4 -m torchpass_plugins.run --spares 1 examples/accelerate/train.py
 """
@@ -18,7 +18,7 @@ import torch
 from accelerate import Accelerator, DataLoaderConfiguration
 from accelerate.utils import set_seed
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 from torchpass_plugins import TorchPass
 
@@ -28,6 +28,20 @@ def data(samples: int = 768, features: int = 32, classes: int = 4) -> TensorData
     x = torch.randn(samples, features, generator=g)
     y = (x @ torch.randn(features, classes, generator=g)).argmax(dim=1)
     return TensorDataset(x, y)
+
+
+class Augmented(Dataset):
+    """Noise added to every sample as it loads, in the loader's workers, as vision and audio pipelines do."""
+
+    def __init__(self, base: Dataset) -> None:
+        self.base = base
+
+    def __len__(self) -> int:
+        return len(self.base)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        x, y = self.base[index]
+        return x + 0.1 * torch.randn_like(x), y
 
 
 class Best:
@@ -66,6 +80,7 @@ def main() -> None:
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--accumulation", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--workers", type=int, default=2, help="loader worker processes (0: load in the loop)")
     p.add_argument("--out", type=Path, default=None, help="write the final weights and the steps applied here")
     args = p.parse_args()
 
@@ -75,7 +90,8 @@ def main() -> None:
     no_decay = [p for name, p in model.named_parameters() if not name.endswith("weight")]
     optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.01}, {"params": no_decay, "weight_decay": 0.0}],
                                   lr=1e-2)
-    loader = DataLoader(data(), batch_size=args.batch_size, shuffle=True)
+    loader = DataLoader(Augmented(data()), batch_size=args.batch_size, shuffle=True, num_workers=args.workers,
+                        persistent_workers=args.workers > 0)
     eval_loader = DataLoader(data(200), batch_size=args.batch_size)
     best = Best()
 

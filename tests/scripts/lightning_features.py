@@ -1,8 +1,9 @@
 """A user's Lightning script with many features on at once, run by the tests under ``torchpass launch``: a
-``LightningDataModule`` whose ``prepare_data`` writes the data set, loader workers with random augmentation,
-BatchNorm, two parameter groups, two LR schedulers, a torchmetrics metric and ``sync_dist`` values logged
-per step and per epoch, gradient clipping, accumulation, validation every few batches with
-``ModelCheckpoint`` and ``EarlyStopping``, several epochs. Every logical rank writes its full state at the
+``LightningDataModule`` whose ``prepare_data`` writes the data set, loader workers with random augmentation
+(a ``DataLoader`` or torchdata's ``StatefulDataLoader``), BatchNorm, two parameter groups, two LR
+schedulers, a torchmetrics metric and ``sync_dist`` values logged per step and per epoch, gradient
+clipping, accumulation, validation every few batches with ``ModelCheckpoint`` and ``EarlyStopping``,
+several epochs. Every logical rank writes its full state at the
 end (``state_rank{r}.pt``), callbacks' state included, so a run with a failure is compared with the
 failure-free run rank by rank."""
 
@@ -36,9 +37,14 @@ class Noisy(Dataset):
 
 
 class Data(L.LightningDataModule):
-    def __init__(self, root: Path, workers: int, persistent: bool) -> None:
+    def __init__(self, root: Path, workers: int, persistent: bool, stateful: bool) -> None:
         super().__init__()
         self.root, self.workers, self.persistent = root, workers, persistent
+        self.loader = DataLoader
+        if stateful:
+            from torchdata.stateful_dataloader import StatefulDataLoader
+
+            self.loader = StatefulDataLoader
 
     def prepare_data(self) -> None:  # once per node, while the other ranks wait
         self.root.mkdir(parents=True, exist_ok=True)
@@ -52,7 +58,7 @@ class Data(L.LightningDataModule):
         self.train, self.val = TensorDataset(x[:240], y[:240]), TensorDataset(x[240:], y[240:])
 
     def train_dataloader(self):
-        return DataLoader(Noisy(self.train), batch_size=4, shuffle=True, num_workers=self.workers,
+        return self.loader(Noisy(self.train), batch_size=4, shuffle=True, num_workers=self.workers,
                           persistent_workers=self.persistent and self.workers > 0)
 
     def val_dataloader(self):
@@ -121,6 +127,7 @@ def main() -> None:
     p.add_argument("--accumulate", type=int, default=4)
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--persistent-workers", action="store_true")
+    p.add_argument("--stateful-loader", action="store_true", help="torchdata's StatefulDataLoader for training")
     args = p.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     L.seed_everything(11)
@@ -137,7 +144,7 @@ def main() -> None:
                    EarlyStopping(monitor="val_loss", patience=50)],
     )
     model = Model(args.out)
-    trainer.fit(model, datamodule=Data(args.out / "data", args.workers, args.persistent_workers))
+    trainer.fit(model, datamodule=Data(args.out / "data", args.workers, args.persistent_workers, args.stateful_loader))
     torch.save(full_state(trainer, model, args.out), args.out / f"state_rank{trainer.global_rank}.pt")
 
 

@@ -118,6 +118,21 @@ def load_rank_local_state(trainer: Any, state: dict[str, Any]) -> None:
         connector._current_fx = connector._first_loop_iter = None
 
 
+def drop_loader_positions(fit_loop_state: dict[str, Any]) -> None:
+    """Remove the train loaders' own saved positions (a ``StatefulDataLoader``'s ``state_dict``) from a fit
+    loop's state: torchpass repositions the loader from the loop's progress, and a saved position is the
+    rank's that wrote it, not the rank that loads it."""
+    fit_loop_state.get("state_dict", {}).pop("combined_loader", None)
+
+
+def users_sampler(sampler: Any) -> Any:
+    """The user's own sampler inside Lightning's ``DistributedSamplerWrapper`` (which keeps it in its
+    dataset's ``_sampler``), else ``None``."""
+    from lightning.fabric.utilities.distributed import DistributedSamplerWrapper
+
+    return sampler.dataset._sampler if isinstance(sampler, DistributedSamplerWrapper) else None
+
+
 def replayed_batch_end(loop: Any, ready_before: int) -> bool:
     """Whether the epoch loop's ``advance`` just returned without taking a batch because it restarted from a
     state saved after the batch had ended (``_skip_next_val``): its ``on_advance_end`` would then count the
