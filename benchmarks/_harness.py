@@ -31,6 +31,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
+from torchpass_plugins.provenance import commit
+
 REPO = Path(__file__).resolve().parent.parent
 BENCH_DIR = REPO / "benchmarks"
 TRAIN_SCRIPT = BENCH_DIR / "bench_train.py"
@@ -303,13 +305,14 @@ def machine() -> dict[str, str]:
         "os": f"{platform.system()} {platform.release()}",
         "load": "{:.2f} / {:.2f} / {:.2f}".format(*load),
         "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "commit": commit(),
     }
 
 
 def machine_lines(info: dict[str, str], command: str) -> list[str]:
     return [
         f"- Command: `{command}`",
-        f"- Date: {info['date']}",
+        f"- Date: {info['date']}; commit `{info['commit']}`",
         f"- Machine: {info['cpu']}; {info['os']}; load average (1/5/15 min) at start {info['load']}",
         f"- Software: Python {info['python']}, torch {info['torch']}, lightning {info['lightning']}",
     ]

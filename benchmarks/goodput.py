@@ -32,6 +32,8 @@ from typing import Any
 from _goodput_model import Policy, closed_form, fallback_rate, simulate, young_daly
 from _harness import BENCH_DIR, REPO, bench_args, command_line, fresh_work_root, publish
 
+from torchpass_plugins.provenance import commit
+
 OUT = BENCH_DIR / "out"
 PLOT, SMOKE_PLOT = REPO / "docs" / "goodput.png", OUT / "goodput-smoke.png"
 DIP_STEPS = 3  # snapshot_stall.py's dip window
@@ -203,7 +205,7 @@ def render(rows: list[dict[str, Any]], m: Measured, a: Assumed, plot: str, smoke
     lines = ["## Goodput at scale: a failure simulation (`benchmarks/goodput.py`)", ""]
     if smoke:
         lines += ["> **Smoke run**: few trials; checks the pipeline only.", ""]
-    lines += [f"- Command: `{command_line()}`", f"- Date: {info['date']}"]
+    lines += [f"- Command: `{command_line()}`", f"- Date: {info['date']}; commit `{commit()}`"]
     per_gpu = LLAMA3_INTERRUPTIONS / (LLAMA3_HOURS * LLAMA3_GPUS)
     lines += [
         f"- Method: Monte Carlo, {trials} runs of {a.horizon_days:.0f} days per case (seed {seed}), and the closed "

@@ -76,8 +76,11 @@ def test_failure_right_after_a_validation_run(tmp_path, reference):
     assert_bit_exact(job, codes, reference(3, val))
 
 
-def test_hang_is_detected_by_the_heartbeat(tmp_path, reference):
-    job, codes = run(tmp_path, train_args=TRAIN, faults="stop@rank=1,step=5,phase=boundary",
+@pytest.mark.parametrize("hang", ["stop", "spin"], ids=["sigstop", "gil-holding-loop"])
+def test_hang_is_detected_by_the_heartbeat(tmp_path, reference, hang):
+    """A stopped process, and one spinning in a loop that never releases the GIL (its heartbeat thread
+    starves): both fall silent, and the agent replaces them after ``--heartbeat-timeout``."""
+    job, codes = run(tmp_path, train_args=TRAIN, faults=f"{hang}@rank=1,step=5,phase=boundary",
                      launch_args=("--heartbeat-timeout", "3"))
     assert_bit_exact(job, codes, reference())
     assert [e["worker"] for e in job.events("hang_detected")] == ["n0-s1-i0"]

@@ -33,15 +33,15 @@ def data(samples: int = 768, features: int = 32, classes: int = 4) -> TensorData
 class Augmented(Dataset):
     """Noise added to every sample as it loads, in the loader's workers, as vision and audio pipelines do."""
 
-    def __init__(self, base: Dataset) -> None:
-        self.base = base
+    def __init__(self, base: Dataset, noise: float) -> None:
+        self.base, self.noise = base, noise
 
     def __len__(self) -> int:
         return len(self.base)
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         x, y = self.base[index]
-        return x + 0.1 * torch.randn_like(x), y
+        return x + self.noise * torch.randn_like(x), y
 
 
 class Best:
@@ -81,17 +81,19 @@ def main() -> None:
     p.add_argument("--accumulation", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--workers", type=int, default=2, help="loader worker processes (0: load in the loop)")
+    p.add_argument("--noise", type=float, default=0.1, help="augmentation: noise added to every sample")
+    p.add_argument("--dropout", type=float, default=0.1)
     p.add_argument("--out", type=Path, default=None, help="write the final weights and the steps applied here")
     args = p.parse_args()
 
     set_seed(args.seed)
-    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Dropout(0.1), nn.Linear(64, 4))
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Dropout(args.dropout), nn.Linear(64, 4))
     decay = [p for name, p in model.named_parameters() if name.endswith("weight")]
     no_decay = [p for name, p in model.named_parameters() if not name.endswith("weight")]
     optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.01}, {"params": no_decay, "weight_decay": 0.0}],
                                   lr=1e-2)
-    loader = DataLoader(Augmented(data()), batch_size=args.batch_size, shuffle=True, num_workers=args.workers,
-                        persistent_workers=args.workers > 0)
+    loader = DataLoader(Augmented(data(), args.noise), batch_size=args.batch_size, shuffle=True,
+                        num_workers=args.workers, persistent_workers=args.workers > 0)
     eval_loader = DataLoader(data(200), batch_size=args.batch_size)
     best = Best()
 

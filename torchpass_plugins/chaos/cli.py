@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import json
 import re
 import sys
 import time
 from collections.abc import Iterable
+from dataclasses import asdict
 from pathlib import Path
 
-from torchpass_plugins.chaos.matrix import run_matrix, summary
+from torchpass_plugins.chaos.matrix import Result, run_matrix, summary
+from torchpass_plugins.provenance import commit
 
 BEGIN, END = "<!-- chaos:begin -->", "<!-- chaos:end -->"
 
@@ -21,18 +24,26 @@ def run_chaos(seed: int, indices: Iterable[int], work_dir: str, doc: str | None)
     table = summary(results, seed)
     print(f"\n{table}\n\n{minutes:.1f} min", flush=True)
     if doc is not None:
-        _write(Path(doc), seed, len(indices), table, minutes)
+        _write(Path(doc), seed, results, table, minutes)
     return 1 if any(r.outcome == "failure" for r in results) else 0
 
 
-def _write(doc: Path, seed: int, count: int, table: str, minutes: float) -> None:
-    """Replace the text between the chaos markers of ``doc`` with the newest result."""
+def _write(doc: Path, seed: int, results: list[Result], table: str, minutes: float) -> None:
+    """Replace the seed's section of ``doc`` (between its chaos markers) with the newest result, and write
+    every scenario's result beside it (``chaos/seed-S.jsonl``), so anyone can recount."""
+    begin, end = f"<!-- chaos:begin seed={seed} -->", f"<!-- chaos:end seed={seed} -->"
+    raw = doc.parent / "chaos" / f"seed-{seed}.jsonl"
+    raw.parent.mkdir(parents=True, exist_ok=True)
+    raw.write_text("".join(json.dumps({"seed": seed, **asdict(r)}) + "\n" for r in results))
     block = (
-        f"{BEGIN}\n- Command: `torchpass chaos --seed {seed} --scenarios {count} --doc {doc}`\n"
-        f"- Date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; {minutes:.0f} minutes on this machine\n\n"
-        f"{table}\n{END}"
+        f"{begin}\n- Command: `torchpass chaos --seed {seed} --scenarios {len(results)} --doc {doc}`\n"
+        f"- Commit: `{commit()}`; date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; "
+        f"{minutes:.0f} minutes on this machine; every scenario's result: [{raw.name}](chaos/{raw.name})\n\n"
+        f"{table}\n{end}"
     )
     text = doc.read_text() if doc.exists() else f"{BEGIN}\n{END}\n"
-    if BEGIN not in text:
+    if BEGIN not in text or END not in text:
         sys.exit(f"torchpass chaos: {doc} has no {BEGIN} ... {END} section to write into")
-    doc.write_text(re.sub(f"{re.escape(BEGIN)}.*?{re.escape(END)}", lambda _: block, text, flags=re.S))
+    if begin not in text:  # a seed not run before: its section goes last
+        text = text.replace(END, f"{begin}\n{end}\n{END}", 1)
+    doc.write_text(re.sub(f"{re.escape(begin)}.*?{re.escape(end)}", lambda _: block, text, flags=re.S))

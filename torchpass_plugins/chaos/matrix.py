@@ -1,20 +1,27 @@
 """The chaos matrix: run scenarios under a hard time bound and classify each outcome.
 
-Outcomes:
+Every outcome but ``failure`` ends with every logical rank's full state (parameters, buffers, optimizer,
+schedulers, loop progress, metric states, logged values, RNG) equal to the failure-free run's bit for bit
+and every optimizer step applied; the classes say what it cost:
 
-- ``bit-exact``: the job finished, every logical rank's full state (parameters, buffers, optimizer,
-  schedulers, loop progress, metric states, logged values, RNG) equals the failure-free run's bit for bit,
-  and every logical rank applied every optimizer step exactly once.
-- ``fallback``: a documented fallback, with every rank's full state equal too. An in-memory rollback (the
-  steps logged as ``steps_rolled_back``); or a restart from the newest snapshot, by the job itself or by the
-  same job submitted again after it stopped with a logged reason: a snapshot holds what a checkpoint holds,
-  so there the logged values and metric states of the epoch in progress are not compared (they start
-  over, as after resuming from a checkpoint). Likewise when a spare entered with its predecessor's
-  logged values as of the step's commit vote (event ``rank_state_received``, ``kind: "vote"``): the
-  predecessor was lost in what ran after that optimizer step, and its effects on them are missing.
+- ``zero-rollback``: a worker was lost and replaced live; no step was computed twice.
+- ``no-loss``: no worker was lost (a slowdown the job rode out); nothing to recover.
+- ``rolled-back``: an in-memory rollback of the steps logged as ``steps_rolled_back``, recomputed.
+- ``resumed``: the job restarted itself from its newest snapshot, recomputing the steps after it (a
+  snapshot holds what a checkpoint holds, so the logged values and metric states of the epoch in progress
+  are not compared: they start over, as after resuming from a checkpoint).
+- ``restarted``: the job restarted before its first snapshot, from the start.
+- ``stopped``: the job stopped with a logged reason (or its coordinator's agent was killed); the same job
+  submitted again resumed from its newest snapshot (or started over).
+- ``logs-at-vote``: replaced live, but the spare entered with its predecessor's logged values as of the
+  step's commit vote (event ``rank_state_received``, ``kind: "vote"``): what the predecessor logged after
+  that optimizer step is missing; everything else is compared.
 - ``failure``: anything else: a divergence, a hang (the bound passed), a process left behind, a step
   applied twice without a log of it, a stop the resubmitted job could not resume from, or a fault that
   never struck (the scenario tested nothing).
+
+A scenario's ``lost`` counts the workers the job declared lost; the headline is, per strategy, the share
+of single losses that ended ``zero-rollback``.
 """
 
 from __future__ import annotations
@@ -47,9 +54,14 @@ class Result:
     kind: str
     phase: str
     action: str
-    outcome: str  # bit-exact, fallback, failure
+    outcome: str  # one of OUTCOMES
     detail: str
     seconds: float
+    strategy: str = ""
+    lost: int = 0  # workers the job declared lost
+
+
+OUTCOMES = ("zero-rollback", "no-loss", "rolled-back", "resumed", "restarted", "stopped", "logs-at-vote", "failure")
 
 
 def train_args(strategy: str, replicate_every: int, run_dir: Path) -> tuple[str, ...]:
@@ -117,13 +129,14 @@ def _not_struck(run_dir: Path, count: int) -> list[int]:
     return [i for i in range(count) if not (run_dir / "faults" / f"fired-{i}").exists()]
 
 
-def classify(sc: Scenario, work: Path) -> tuple[str, str]:
-    """Run the scenario; returns (outcome, detail)."""
+def classify(sc: Scenario, work: Path) -> tuple[str, str, int]:
+    """Run the scenario; returns (outcome, detail, workers lost)."""
     run_dir = work / f"s{sc.seed}-{sc.index:04d}"
     shutil.rmtree(run_dir, ignore_errors=True)
     expected = reference(work, sc.reference)
     job, codes, left = _run_job(run_dir, sc.strategy, sc.replicate_every, sc.spec)
-    return judge(sc, job, codes, left, expected)
+    lost = len({e["worker"] for e in job.events("failure_detected")})
+    return (*judge(sc, job, codes, left, expected), lost)
 
 
 def judge(
@@ -145,7 +158,7 @@ def judge(
     diverged = divergence(job, expected, CHECKPOINTED if restarts else None)
     before_tail = any(e["event"] == "rank_state_received" and e["kind"] == "vote" for e in events)
     if diverged and before_tail and not divergence(job, expected, CHECKPOINTED):
-        return "fallback", f"a spare entered with its predecessor's logged values as of its last vote ({diverged})"
+        return "logs-at-vote", f"a spare entered with its predecessor's logged values as of its last vote ({diverged})"
     if diverged:
         return "failure", diverged
     applied = [job.applied(r) for r in range(WORLD)]
@@ -156,11 +169,13 @@ def judge(
     lost = max([e.get("steps_lost") or 0 for e in events if e["event"] == "snapshot_resumed"], default=0)
     recoveries = sum(e["event"] == "roster_published" and e["gen"] > 0 for e in events)
     if not recomputed and not restarts:
-        return "bit-exact", f"{recoveries} recovery(ies), 0 steps recomputed"
-    if (restarts and any(e["event"] == "snapshot_resumed" for e in events)) or rolled:
-        return "fallback", f"{restarts} restart(s), steps lost {lost}, rolled back {rolled}; recomputed {recomputed}"
+        return ("zero-rollback" if recoveries else "no-loss"), f"{recoveries} recovery(ies), 0 steps recomputed"
+    if restarts and any(e["event"] == "snapshot_resumed" for e in events):
+        return "resumed", f"{restarts} restart(s), {lost} step(s) lost, rolled back {rolled}; recomputed {recomputed}"
     if restarts:
-        return "fallback", f"{restarts} restart(s) before the first snapshot: started over ({recomputed} recomputed)"
+        return "restarted", f"{restarts} restart(s) before the first snapshot: started over ({recomputed} recomputed)"
+    if rolled:
+        return "rolled-back", f"rolled back {rolled} step(s) in memory; recomputed {recomputed}"
     return "failure", f"{recomputed} step(s) applied twice without a log of lost steps"
 
 
@@ -185,7 +200,7 @@ def _resubmitted(
     reached = max([len(job.applied(r)) for r in range(WORLD)], default=0)
     why = aborted[0]["message"].splitlines()[0] if aborted else "the coordinator's agent was killed"
     start = f"resumed from step {resumed[0]}" if resumed else "no snapshot yet: started over"
-    return "fallback", f"stopped ({why}); resubmitted, {start} (the stopped job had applied {reached} steps)"
+    return "stopped", f"stopped ({why}); resubmitted, {start} (the stopped job had applied {reached} steps)"
 
 
 def run_matrix(seed: int, indices: Iterable[int], work: Path, log=print) -> list[Result]:
@@ -196,40 +211,46 @@ def run_matrix(seed: int, indices: Iterable[int], work: Path, log=print) -> list
             sc = draw(seed, index)
             t0 = time.monotonic()
             try:
-                outcome, detail = classify(sc, work)
+                outcome, detail, lost = classify(sc, work)
             except Exception as exc:  # a harness error is a failure of the scenario, not of the matrix
-                outcome, detail = "failure", f"harness: {type(exc).__name__}: {exc}"
-            result = Result(
-                index,
-                sc.spec,
-                sc.kind,
-                sc.target.phase,
-                sc.target.action,
-                outcome,
-                detail,
-                round(time.monotonic() - t0, 1),
-            )
-            out.write(json.dumps({"seed": seed, "strategy": sc.strategy, **asdict(result)}) + "\n")
+                outcome, detail, lost = "failure", f"harness: {type(exc).__name__}: {exc}", 0
+            seconds = round(time.monotonic() - t0, 1)
+            result = Result(index, sc.spec, sc.kind, sc.target.phase, sc.target.action, outcome, detail, seconds,
+                            sc.strategy, lost)  # fmt: skip
+            out.write(json.dumps({"seed": seed, **asdict(result)}) + "\n")
             out.flush()
             results.append(result)
             log(f"{outcome:9s} {result.seconds:5.1f}s  {sc}  -- {detail.splitlines()[0]}")
-            if outcome == "bit-exact" or outcome == "fallback":
+            if outcome != "failure":
                 shutil.rmtree(work / f"s{seed}-{index:04d}", ignore_errors=True)  # keep failures for inspection
     return results
 
 
 def summary(results: list[Result], seed: int) -> str:
-    """Counts per phase and fault (Markdown), then the replay command of every failure."""
+    """The zero-rollback rate of single losses per strategy, the classes per strategy, counts per phase and
+    fault (Markdown), then the replay command of every failure."""
+    strategies = sorted({r.strategy for r in results})
     outcomes = Counter(r.outcome for r in results)
+    lines = [f"{len(results)} scenarios (seed {seed}): {outcomes['failure']} failure(s).", ""]
+    for strategy in strategies:
+        single = [r for r in results if r.strategy == strategy and r.lost == 1]
+        live = sum(r.outcome == "zero-rollback" for r in single)
+        share = f" ({100 * live / len(single):.0f}%)" if single else ""
+        lines.append(f"- `{strategy}`: a single lost worker replaced with zero rollback in {live} of {len(single)}"
+                     f" scenarios{share}")  # fmt: skip
+    shown = [o for o in OUTCOMES if outcomes[o]]
+    lines += ["", "| strategy | " + " | ".join(shown) + " |", "|---|" + "---|" * len(shown)]
+    for strategy in strategies:
+        counts = Counter(r.outcome for r in results if r.strategy == strategy)
+        lines.append(f"| {strategy} | " + " | ".join(str(counts[o]) for o in shown) + " |")
     actions = sorted({r.action for r in results})
     cells: dict[tuple[str, str], Counter] = {}
     for r in results:
-        cells.setdefault((r.phase, r.action), Counter())[r.outcome] += 1
-    lines = [
-        f"{len(results)} scenarios (seed {seed}): {outcomes['bit-exact']} bit-exact, {outcomes['fallback']} "
-        f"documented fallback, {outcomes['failure']} failure(s).",
+        cells.setdefault((r.phase, r.action), Counter())[_group(r.outcome)] += 1
+    lines += [
         "",
-        "Each cell: bit-exact / fallback / failure.",
+        "By the phase and the fault of the scenario's target; each cell: zero rollback or no loss / recovered "
+        "at a cost (rolled back, resumed, restarted, stopped, logs at the vote) / failure.",
         "",
         "| phase | " + " | ".join(actions) + " |",
         "|---|" + "---|" * len(actions),
@@ -238,10 +259,16 @@ def summary(results: list[Result], seed: int) -> str:
         row = []
         for action in actions:
             c = cells.get((phase, action))
-            row.append(f"{c['bit-exact']} / {c['fallback']} / {c['failure']}" if c else "")
+            row.append(f"{c['free']} / {c['cost']} / {c['failure']}" if c else "")
         lines.append(f"| {phase} | " + " | ".join(row) + " |")
     failures = [r for r in results if r.outcome == "failure"]
     if failures:
         lines += ["", "Failures (replay each with `torchpass chaos --seed SEED --only INDEX`):", ""]
         lines += [f"- #{r.index} `{r.scenario}`: {r.detail.splitlines()[0]}" for r in failures]
     return "\n".join(lines)
+
+
+def _group(outcome: str) -> str:
+    if outcome in ("zero-rollback", "no-loss"):
+        return "free"
+    return "failure" if outcome == "failure" else "cost"
