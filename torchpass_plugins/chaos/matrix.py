@@ -20,7 +20,7 @@ and every optimizer step applied; the classes say what it cost:
   applied twice without a log of it, a stop the resubmitted job could not resume from, or a fault that
   never struck (the scenario tested nothing).
 
-A scenario's ``lost`` counts the workers the job declared lost; the headline is, per strategy, the share
+A scenario's ``workers_lost`` counts the workers the job declared lost; the headline is, per strategy, the share
 of single losses that ended ``zero-rollback``.
 """
 
@@ -58,7 +58,7 @@ class Result:
     detail: str
     seconds: float
     strategy: str = ""
-    lost: int = 0  # workers the job declared lost
+    workers_lost: int = 0  # workers the job declared lost
 
 
 OUTCOMES = ("zero-rollback", "no-loss", "rolled-back", "resumed", "restarted", "stopped", "logs-at-vote", "failure")
@@ -135,8 +135,8 @@ def classify(sc: Scenario, work: Path) -> tuple[str, str, int]:
     shutil.rmtree(run_dir, ignore_errors=True)
     expected = reference(work, sc.reference)
     job, codes, left = _run_job(run_dir, sc.strategy, sc.replicate_every, sc.spec)
-    lost = len({e["worker"] for e in job.events("failure_detected")})
-    return (*judge(sc, job, codes, left, expected), lost)
+    workers_lost = len({e["worker"] for e in job.events("failure_detected")})
+    return (*judge(sc, job, codes, left, expected), workers_lost)
 
 
 def judge(
@@ -211,12 +211,12 @@ def run_matrix(seed: int, indices: Iterable[int], work: Path, log=print) -> list
             sc = draw(seed, index)
             t0 = time.monotonic()
             try:
-                outcome, detail, lost = classify(sc, work)
+                outcome, detail, workers_lost = classify(sc, work)
             except Exception as exc:  # a harness error is a failure of the scenario, not of the matrix
-                outcome, detail, lost = "failure", f"harness: {type(exc).__name__}: {exc}", 0
+                outcome, detail, workers_lost = "failure", f"harness: {type(exc).__name__}: {exc}", 0
             seconds = round(time.monotonic() - t0, 1)
             result = Result(index, sc.spec, sc.kind, sc.target.phase, sc.target.action, outcome, detail, seconds,
-                            sc.strategy, lost)  # fmt: skip
+                            sc.strategy, workers_lost)  # fmt: skip
             out.write(json.dumps({"seed": seed, **asdict(result)}) + "\n")
             out.flush()
             results.append(result)
@@ -233,7 +233,7 @@ def summary(results: list[Result], seed: int) -> str:
     outcomes = Counter(r.outcome for r in results)
     lines = [f"{len(results)} scenarios (seed {seed}): {outcomes['failure']} failure(s).", ""]
     for strategy in strategies:
-        single = [r for r in results if r.strategy == strategy and r.lost == 1]
+        single = [r for r in results if r.strategy == strategy and r.workers_lost == 1]
         live = sum(r.outcome == "zero-rollback" for r in single)
         share = f" ({100 * live / len(single):.0f}%)" if single else ""
         lines.append(f"- `{strategy}`: a single lost worker replaced with zero rollback in {live} of {len(single)}"

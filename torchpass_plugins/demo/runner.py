@@ -13,11 +13,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from torchpass_plugins.chaos.jobs import Job
 from torchpass_plugins.chaos.oracle import differences
 from torchpass_plugins.report import report, wide_console
 
@@ -98,10 +98,6 @@ def _regain(run: _Run, killed_at: float) -> tuple[int, float]:
     return in_flight, max(a[in_flight] for a in applied) - killed_at
 
 
-def _state(run: _Run, rank: int) -> dict:
-    return torch.load(run.run_dir / "out" / f"state_rank{rank}.pt", weights_only=False)
-
-
 def run_demo(steps: int = 60, run_dir: str = "torchpass_runs/demo") -> int:
     console = wide_console()
     root = Path(run_dir)
@@ -119,7 +115,8 @@ def run_demo(steps: int = 60, run_dir: str = "torchpass_runs/demo") -> int:
     if failing.proc.returncode or reference.proc.returncode:
         console.print(f"[red]a job failed; see {root}/*/job.log")
         return 1
-    found = [d for r in range(WORLD) for d in differences(_state(reference, r), _state(failing, r), f"rank{r}")]
+    expected, got = Job(reference.run_dir), Job(failing.run_dir)
+    found = [d for r in range(WORLD) for d in differences(expected.state(r), got.state(r), f"rank{r}")]
     identical = not found
     counts = [[s for s, _ in failing.applied(r)] for r in range(WORLD)]
     once = all(c == list(range(steps)) for c in counts)
