@@ -29,7 +29,7 @@ from __future__ import annotations
 import heapq
 import math
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 
 @dataclass(frozen=True)
@@ -222,3 +222,109 @@ def simulate(p: Policy, mttf: float, horizon: float, seed: str) -> dict[str, flo
         spares, returns = p.spares, []
     work = ledger.work if ledger is not None else ft_work
     return {"ettr": work / horizon, **counts}
+
+
+# -- the inputs, and the four approaches built from them ------------------------------------------------
+DIP_STEPS = 3  # snapshot_stall.py's dip window
+# Llama 3 (section 3.3.4, Table 5): 419 unexpected interruptions, 54 days, 16,384 GPUs. Root causes that take a
+# whole host (and so its torchpass agent) down: network switch/cable 35, host maintenance 32, NIC 7, SSD 3,
+# power supply 3, server chassis 2, IO expansion board 2, CPU 2, system memory 2 = 88.
+LLAMA3_INTERRUPTIONS, LLAMA3_HOURS, LLAMA3_GPUS, LLAMA3_HOST_LEVEL = 419, 54 * 24, 16_384, 88
+
+
+@dataclass
+class Measured:
+    """Costs measured on this machine by the other benchmarks; ``source`` says where each value came from."""
+
+    tp_regain_s: float = 0.56  # regain.py: torchpass, kill -> every rank past the step in flight
+    cr_restart_s: float = 13.82  # regain.py: checkpoint-restart, kill -> first step after restart + restore
+    sync_stall_s: float = 2.0804  # snapshot_stall.py: synchronous save of the state below
+    tp_stall_s: float = 0.0019  # snapshot_stall.py: torchpass snapshot stall
+    tp_write_s: float = 2.0804  # background write of a torchpass snapshot (default: the sync save, a proxy)
+    dip: float = 1.032  # snapshot_stall.py: step time after a snapshot / without
+    step_ms: float = 970.4  # snapshot_stall.py: the step those are relative to
+    snapshot_bytes: float = 504e6
+    transfer_gbps: float = 0.83  # state_transfer.py: torchpass, largest size
+    ft_regain_s: float = 5.14  # torchft_compare.py: TorchFT, kill -> survivors past the step in flight
+    tp_overhead: float = 1.017  # overhead.py: torchpass_ddp / ddp step time, whole runs, ~105M model
+    source: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class Assumed:
+    """What this machine cannot measure. Each is a flag of this script."""
+
+    state_gb: float = 4.0  # per GPU: Llama 3 checkpoints "1 MB to 4 GB per GPU"; the top of that range
+    restart_min: float = 10.0  # whole-job restart at scale: requeue, healthy hosts, start, NCCL init, load
+    detect_s: float = 10.0  # on NCCL, on top of what was measured on gloo: a dead peer may hang a collective
+    heartbeat_s: float = 30.0  # torchpass: a silent host's agent is written off after this (--heartbeat-timeout)
+    rebuild_s: float = 30.0  # abort the NCCL communicators and initialise new ones across the job
+    step_s: float = 5.0  # one training step at scale (the step in flight is redone / discarded)
+    spares_per_1024: int = 8  # torchpass: one spare host (8 GPUs) per 128 active hosts
+    refill_h: float = 4.0  # until a used spare slot is back (its host repaired or replaced)
+    host_share: float = LLAMA3_HOST_LEVEL / LLAMA3_INTERRUPTIONS
+    gpus_per_host: int = 8
+    ft_group_gpus: int = 64  # TorchFT: one replica group = 8 hosts (HSDP: FSDP inside, replicated across)
+    snapshot_max_min: float = 60.0  # torchpass: a snapshot at least this often, whatever Young/Daly says
+    ft_overhead: float = 1.0  # TorchFT's steady-state step time / plain HSDP's: not measured here
+    horizon_days: float = 30.0
+
+
+@dataclass(frozen=True)
+class Scenario:
+    label: str
+    gpus: int
+    mttf_h: float
+    origin: str
+
+
+def scenarios() -> list[Scenario]:
+    per_gpu = LLAMA3_INTERRUPTIONS / (LLAMA3_HOURS * LLAMA3_GPUS)  # failures per GPU-hour
+    return [
+        Scenario("Meta, 1,024 GPUs", 1024, 7.9, "Meta's reported job MTTF"),
+        Scenario("Meta, 16,384 GPUs", 16384, 1.8, "Meta's reported job MTTF"),
+        Scenario("Llama 3 rate, 1,024 GPUs", 1024, 1 / (per_gpu * 1024), "Llama 3 per-GPU rate x 1,024"),
+        Scenario("Llama 3 rate, 16,384 GPUs", 16384, 1 / (per_gpu * 16384), "Llama 3, as observed"),
+    ]
+
+
+def policies(sc: Scenario, m: Measured, a: Assumed) -> list[Policy]:
+    """The four approaches for one scenario, every cost in seconds."""
+    mttf = sc.mttf_h * 3600
+    state = a.state_gb * 1e9
+    scale = state / m.snapshot_bytes  # each rank writes its own state, in parallel, at the rate measured here
+    restart = a.restart_min * 60 + m.cr_restart_s
+    c_cr = m.sync_stall_s * scale
+    c_tp = (m.tp_stall_s + DIP_STEPS * (m.dip - 1) * m.step_ms / 1e3) * scale
+    write = m.tp_write_s * scale
+    transfer = state / (m.transfer_gbps * 1e9)
+    swap = a.detect_s + a.rebuild_s + m.tp_regain_s + transfer + a.step_s
+    spares = max(1, round(a.spares_per_1024 * sc.gpus / 1024))
+    common = {"cost": c_tp, "write_s": write, "restart_s": restart, "swap_s": swap,
+              "host_swap_s": swap + a.heartbeat_s, "host_spares": a.gpus_per_host, "refill_s": a.refill_h * 3600,
+              "host_share": a.host_share, "fatal_share": a.host_share * a.gpus_per_host / sc.gpus}
+    hot = [Policy("torchpass hot swap", "torchpass", spares=spares, **common),
+           Policy(f"torchpass, {2 * a.spares_per_1024} spares per 1,024", "torchpass", spares=2 * spares, **common)]
+    return [
+        Policy("checkpoint-restart", "ckpt", tau=young_daly(c_cr, mttf), cost=c_cr, restart_s=restart),
+        *(replace(p, tau=snapshot_interval(c_tp, fallback_rate(p, mttf), write, a.snapshot_max_min * 60))
+          for p in hot),
+        Policy("TorchFT-style", "torchft", groups=sc.gpus // a.ft_group_gpus,
+               pause_s=a.detect_s + a.rebuild_s + m.ft_regain_s + a.step_s, rejoin_s=restart + transfer,
+               rejoin_pause_s=a.rebuild_s),
+    ]
+
+
+def snapshot_interval(cost: float, fallbacks_per_s: float, write_s: float, cap_s: float) -> float:
+    """Young/Daly on the rate of fallbacks, at least one write (one snapshot in flight), at most ``cap_s``
+    (a fallback is rare but costs all the work since the newest snapshot)."""
+    tau = young_daly(cost, 1 / fallbacks_per_s) if fallbacks_per_s > 0 else cap_s
+    return min(max(tau, write_s), max(cap_s, write_s))
+
+
+def goodput(p: Policy, ettr: float, gpus: int, m: Measured, a: Assumed) -> float:
+    """Training work per provisioned GPU: ETTR over the steady-state overhead of the approach, times the
+    share of provisioned GPUs that train (a torchpass spare is paid for and idle until it is needed)."""
+    if p.kind == "torchpass":
+        return ettr / m.tp_overhead * gpus / (gpus + p.spares)
+    return ettr / a.ft_overhead if p.kind == "torchft" else ettr

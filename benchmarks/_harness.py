@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-from torchpass_plugins.provenance import commit
+from torchpass_plugins.provenance import code_fingerprint, disclose, recorded
 
 REPO = Path(__file__).resolve().parent.parent
 BENCH_DIR = REPO / "benchmarks"
@@ -305,14 +305,14 @@ def machine() -> dict[str, str]:
         "os": f"{platform.system()} {platform.release()}",
         "load": "{:.2f} / {:.2f} / {:.2f}".format(*load),
         "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "commit": commit(),
+        "provenance": recorded(),
     }
 
 
 def machine_lines(info: dict[str, str], command: str) -> list[str]:
     return [
         f"- Command: `{command}`",
-        f"- Date: {info['date']}; commit `{info['commit']}`",
+        f"- Date: {info['date']}; {info['provenance']}",
         f"- Machine: {info['cpu']}; {info['os']}; load average (1/5/15 min) at start {info['load']}",
         f"- Software: Python {info['python']}, torch {info['torch']}, lightning {info['lightning']}",
     ]
@@ -371,6 +371,7 @@ def update_section(doc: Path, name: str, body: str) -> None:
             text = before + block + after
         else:
             text = text.rstrip() + "\n\n" + block + "\n"
+        text = disclose(text, code_fingerprint())  # this section's note on older code goes, the others' stay
         tmp = doc.with_suffix(doc.suffix + ".tmp")
         tmp.write_text(text)
         tmp.replace(doc)

@@ -25,58 +25,31 @@ import os
 import platform
 import statistics
 import sys
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
-from _goodput_model import Policy, closed_form, fallback_rate, simulate, young_daly
+from _goodput_model import (
+    LLAMA3_GPUS,
+    LLAMA3_HOST_LEVEL,
+    LLAMA3_HOURS,
+    LLAMA3_INTERRUPTIONS,
+    Assumed,
+    Measured,
+    Policy,
+    Scenario,
+    closed_form,
+    goodput,
+    policies,
+    scenarios,
+    simulate,
+)
 from _harness import BENCH_DIR, REPO, bench_args, command_line, fresh_work_root, publish
 
-from torchpass_plugins.provenance import commit
+from torchpass_plugins.provenance import recorded
 
 OUT = BENCH_DIR / "out"
 PLOT, SMOKE_PLOT = REPO / "docs" / "goodput.png", OUT / "goodput-smoke.png"
-DIP_STEPS = 3  # snapshot_stall.py's dip window
-# Llama 3 (section 3.3.4, Table 5): 419 unexpected interruptions, 54 days, 16,384 GPUs. Root causes that take a
-# whole host (and so its torchpass agent) down: network switch/cable 35, host maintenance 32, NIC 7, SSD 3,
-# power supply 3, server chassis 2, IO expansion board 2, CPU 2, system memory 2 = 88.
-LLAMA3_INTERRUPTIONS, LLAMA3_HOURS, LLAMA3_GPUS, LLAMA3_HOST_LEVEL = 419, 54 * 24, 16_384, 88
-
-
-@dataclass
-class Measured:
-    """Costs measured on this machine by the other benchmarks; ``source`` says where each value came from."""
-
-    tp_regain_s: float = 0.56  # regain.py: torchpass, kill -> every rank past the step in flight
-    cr_restart_s: float = 13.82  # regain.py: checkpoint-restart, kill -> first step after restart + restore
-    sync_stall_s: float = 2.0804  # snapshot_stall.py: synchronous save of the state below
-    tp_stall_s: float = 0.0019  # snapshot_stall.py: torchpass snapshot stall
-    tp_write_s: float = 2.0804  # background write of a torchpass snapshot (default: the sync save, a proxy)
-    dip: float = 1.032  # snapshot_stall.py: step time after a snapshot / without
-    step_ms: float = 970.4  # snapshot_stall.py: the step those are relative to
-    snapshot_bytes: float = 504e6
-    transfer_gbps: float = 0.83  # state_transfer.py: torchpass, largest size
-    ft_regain_s: float = 5.14  # torchft_compare.py: TorchFT, kill -> survivors past the step in flight
-    source: dict[str, str] = field(default_factory=dict)
-
-
-@dataclass
-class Assumed:
-    """What this machine cannot measure. Each is a flag of this script."""
-
-    state_gb: float = 4.0  # per GPU: Llama 3 checkpoints "1 MB to 4 GB per GPU"; the top of that range
-    restart_min: float = 10.0  # whole-job restart at scale: requeue, healthy hosts, start, NCCL init, load
-    detect_s: float = 10.0  # on NCCL, on top of what was measured on gloo: a dead peer may hang a collective
-    heartbeat_s: float = 30.0  # torchpass: a silent host's agent is written off after this (--heartbeat-timeout)
-    rebuild_s: float = 30.0  # abort the NCCL communicators and initialise new ones across the job
-    step_s: float = 5.0  # one training step at scale (the step in flight is redone / discarded)
-    spares_per_1024: int = 8  # torchpass: one spare host (8 GPUs) per 128 active hosts
-    refill_h: float = 4.0  # until a used spare slot is back (its host repaired or replaced)
-    host_share: float = LLAMA3_HOST_LEVEL / LLAMA3_INTERRUPTIONS
-    gpus_per_host: int = 8
-    ft_group_gpus: int = 64  # TorchFT: one replica group = 8 hosts (HSDP: FSDP inside, replicated across)
-    snapshot_max_min: float = 60.0  # torchpass: a snapshot at least this often, whatever Young/Daly says
-    horizon_days: float = 30.0
 
 
 def _median(values: list[float]) -> float | None:
@@ -125,60 +98,12 @@ def load_measured() -> Measured:
     if (ft := load("torchft")) is not None:
         take("ft_regain_s", _median([r["regain_s"] for r in ft.get("results", []) if r["mode"] == "torchft"]),
              "out/torchft.json")
+    if (steady := load("overhead")) is not None:
+        runs = {(r["strategy"], r["rep"]): r["median_ms"] for r in steady["results"] if r["model"] == "~105M"}
+        take("tp_overhead", _median([ms / runs["ddp", rep] for (s, rep), ms in runs.items()
+                                     if s == "torchpass_ddp" and ("ddp", rep) in runs]), "out/overhead.json")
     m.source = src
     return m
-
-
-@dataclass(frozen=True)
-class Scenario:
-    label: str
-    gpus: int
-    mttf_h: float
-    origin: str
-
-
-def scenarios() -> list[Scenario]:
-    per_gpu = LLAMA3_INTERRUPTIONS / (LLAMA3_HOURS * LLAMA3_GPUS)  # failures per GPU-hour
-    return [
-        Scenario("Meta, 1,024 GPUs", 1024, 7.9, "Meta's reported job MTTF"),
-        Scenario("Meta, 16,384 GPUs", 16384, 1.8, "Meta's reported job MTTF"),
-        Scenario("Llama 3 rate, 1,024 GPUs", 1024, 1 / (per_gpu * 1024), "Llama 3 per-GPU rate x 1,024"),
-        Scenario("Llama 3 rate, 16,384 GPUs", 16384, 1 / (per_gpu * 16384), "Llama 3, as observed"),
-    ]
-
-
-def policies(sc: Scenario, m: Measured, a: Assumed) -> list[Policy]:
-    """The four approaches for one scenario, every cost in seconds."""
-    mttf = sc.mttf_h * 3600
-    state = a.state_gb * 1e9
-    scale = state / m.snapshot_bytes  # each rank writes its own state, in parallel, at the rate measured here
-    restart = a.restart_min * 60 + m.cr_restart_s
-    c_cr = m.sync_stall_s * scale
-    c_tp = (m.tp_stall_s + DIP_STEPS * (m.dip - 1) * m.step_ms / 1e3) * scale
-    write = m.tp_write_s * scale
-    transfer = state / (m.transfer_gbps * 1e9)
-    swap = a.detect_s + a.rebuild_s + m.tp_regain_s + transfer + a.step_s
-    spares = max(1, round(a.spares_per_1024 * sc.gpus / 1024))
-    common = {"cost": c_tp, "write_s": write, "restart_s": restart, "swap_s": swap,
-              "host_swap_s": swap + a.heartbeat_s, "host_spares": a.gpus_per_host, "refill_s": a.refill_h * 3600,
-              "host_share": a.host_share, "fatal_share": a.host_share * a.gpus_per_host / sc.gpus}
-    hot = [Policy("torchpass hot swap", "torchpass", spares=spares, **common),
-           Policy(f"torchpass, {2 * a.spares_per_1024} spares per 1,024", "torchpass", spares=2 * spares, **common)]
-    return [
-        Policy("checkpoint-restart", "ckpt", tau=young_daly(c_cr, mttf), cost=c_cr, restart_s=restart),
-        *(replace(p, tau=snapshot_interval(c_tp, fallback_rate(p, mttf), write, a.snapshot_max_min * 60))
-          for p in hot),
-        Policy("TorchFT-style", "torchft", groups=sc.gpus // a.ft_group_gpus,
-               pause_s=a.detect_s + a.rebuild_s + m.ft_regain_s + a.step_s, rejoin_s=restart + transfer,
-               rejoin_pause_s=a.rebuild_s),
-    ]
-
-
-def snapshot_interval(cost: float, fallbacks_per_s: float, write_s: float, cap_s: float) -> float:
-    """Young/Daly on the rate of fallbacks, at least one write (one snapshot in flight), at most ``cap_s``
-    (a fallback is rare but costs all the work since the newest snapshot)."""
-    tau = young_daly(cost, 1 / fallbacks_per_s) if fallbacks_per_s > 0 else cap_s
-    return min(max(tau, write_s), max(cap_s, write_s))
 
 
 def run_case(sc: Scenario, p: Policy, a: Assumed, trials: int, seed: int) -> dict[str, Any]:
@@ -205,7 +130,7 @@ def render(rows: list[dict[str, Any]], m: Measured, a: Assumed, plot: str, smoke
     lines = ["## Goodput at scale: a failure simulation (`benchmarks/goodput.py`)", ""]
     if smoke:
         lines += ["> **Smoke run**: few trials; checks the pipeline only.", ""]
-    lines += [f"- Command: `{command_line()}`", f"- Date: {info['date']}; commit `{commit()}`"]
+    lines += [f"- Command: `{command_line()}`", f"- Date: {info['date']}; {recorded()}"]
     per_gpu = LLAMA3_INTERRUPTIONS / (LLAMA3_HOURS * LLAMA3_GPUS)
     lines += [
         f"- Method: Monte Carlo, {trials} runs of {a.horizon_days:.0f} days per case (seed {seed}), and the closed "
@@ -246,47 +171,79 @@ def render(rows: list[dict[str, Any]], m: Measured, a: Assumed, plot: str, smoke
         "group comes back after the restart cost + the state transfer (weights from a peer, at the torchpass rate "
         "measured here: TorchFT's own was not measured), which pauses everyone for one rebuild. No checkpoint is "
         "restored (failures of the whole job, e.g. its lighthouse, are outside the model).",
-        "- Not in ETTR: steady-state overhead (torchpass_ddp measured 1.08-1.16x the step time of `ddp` on this "
-        "2-core CPU machine, `overhead` above; not measured with NCCL) and the idle spare GPUs (column).",
+        f"- Goodput per provisioned GPU, the headline: ETTR / the steady-state step time ratio x active GPUs / "
+        "provisioned GPUs. torchpass: the whole-run `torchpass_ddp` / `ddp` ratio measured here (on CPU and gloo; "
+        "on NCCL it is not measured), and its idle spares counted; TorchFT-style: its ratio is assumed "
+        f"({a.ft_overhead:g}), not measured; checkpoint-restart: 1.",
         "",
-        "Measured inputs:",
+        "Inputs (measured on this machine, or assumed: each assumed one is a flag of this script, and the "
+        "sensitivity table below varies them):",
         "",
-        "| Input | Value | From |",
-        "|---|---|---|",
+        "| Input | Value | Kind | From |",
+        "|---|---|---|---|",
     ]
     labels = {"tp_regain_s": ("torchpass regain", "s"), "cr_restart_s": ("ckpt-restart restart + restore", "s"),
               "sync_stall_s": ("synchronous save stall", "s"), "tp_stall_s": ("torchpass snapshot stall", "s"),
               "tp_write_s": ("torchpass snapshot background write", "s"), "dip": ("step time after a snapshot", "x"),
               "step_ms": ("step time of the snapshot runs", "ms"), "snapshot_bytes": ("snapshot size", "bytes"),
-              "transfer_gbps": ("torchpass state transfer", "GB/s"), "ft_regain_s": ("TorchFT regain", "s")}
+              "transfer_gbps": ("torchpass state transfer", "GB/s"), "ft_regain_s": ("TorchFT regain", "s"),
+              "tp_overhead": ("torchpass steady-state step time / ddp's", "x")}
     for key, (label, unit) in labels.items():
         value = getattr(m, key)
         shown = f"{value:,.0f}" if unit == "bytes" else f"{value:.4g}"
-        lines.append(f"| {label} | {shown} {unit} | {m.source[key]} |")
-    lines += ["", "| Case | MTTF (h) | Approach | Checkpoint / snapshot interval | ETTR simulated (p5-p95) | "
-              "ETTR closed form | Failures per run | Live swaps | Job restarts | Spare GPUs |",
-              "|---|---|---|---|---|---|---|---|---|---|"]
+        lines.append(f"| {label} | {shown} {unit} | measured | {m.source[key]} |")
+    for key, value in asdict(a).items():
+        if key not in ("horizon_days", "host_share"):
+            lines.append(f"| {key.replace('_', ' ')} | {value:g} | assumed | `--{key.replace('_', '-')}` |")
+    lines += ["", "| Case | MTTF (h) | Approach | Checkpoint / snapshot interval | Goodput per provisioned GPU "
+              "| ETTR simulated (p5-p95) | ETTR closed form | Failures per run | Live swaps | Job restarts "
+              "| Spare GPUs |",
+              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         p = Policy(**r["policy"])
         spares = p.spares if p.kind == "torchpass" else 0
         lines.append(f"| {r['scenario']} | {r['mttf_h']:.2f} | {r['approach']} | {_interval(p)} | "
+                     f"**{goodput(p, r['mean'], r['gpus'], m, a):.4f}** | "
                      f"{r['mean']:.4f} ({r['p5']:.4f}-{r['p95']:.4f}) | {r['closed_form']:.4f} | "
                      f"{r['failures']:.1f} | {r['swaps']:.1f} | {r['fallbacks']:.1f} | {spares} |")
-    lines += ["", *summary(rows), "", f"![ETTR per approach and scale]({plot})", ""]
+    lines += ["", *summary(rows, m, a), "", *sensitivity(m, a), "", f"![ETTR per approach and scale]({plot})", ""]
     return "\n".join(lines)
 
 
-def summary(rows: list[dict[str, Any]]) -> list[str]:
-    """One line per case: the simulated ETTRs side by side, and torchpass's per provisioned GPU."""
+# Each assumed input, over a range a reader may find more likely than our default (one varied at a time).
+SWEEP = {"detect_s": (1.0, 60.0, 300.0), "rebuild_s": (5.0, 120.0), "restart_min": (5.0, 30.0),
+         "state_gb": (1.0, 16.0), "step_s": (1.0, 20.0), "refill_h": (1.0, 24.0),
+         "ft_overhead": (1.02, 1.05)}
+
+
+def sensitivity(m: Measured, a: Assumed) -> list[str]:
+    """Goodput per provisioned GPU in closed form for the largest case as observed (Llama 3, 16,384 GPUs), with
+    each assumed input moved alone, and with torchpass's steady-state overhead moved across its interval."""
+    sc = scenarios()[-1]
+    approaches = [p.name for p in policies(sc, m, a)]
+
+    def row(label: str, mm: Measured, aa: Assumed) -> str:
+        values = [goodput(p, closed_form(p, sc.mttf_h * 3600), sc.gpus, mm, aa) for p in policies(sc, mm, aa)]
+        return f"| {label} | " + " | ".join(f"{v:.4f}" for v in values) + " |"
+
+    lines = [f"Sensitivity, {sc.label} (MTTF {sc.mttf_h:.1f} h), goodput per provisioned GPU in closed form:", "",
+             "| Changed input | " + " | ".join(approaches) + " |", "|---|" + "---|" * len(approaches),
+             row("none (the defaults above)", m, a)]
+    for key, values in SWEEP.items():
+        lines += [row(f"{key.replace('_', ' ')} = {v:g}", m, replace(a, **{key: type(getattr(a, key))(v)}))
+                  for v in values]
+    lines += [row(f"torchpass steady-state overhead = {v:g}", replace(m, tp_overhead=v), a) for v in (1.0, 1.05, 1.13)]
+    return lines
+
+
+def summary(rows: list[dict[str, Any]], m: Measured, a: Assumed) -> list[str]:
+    """One line per case: goodput per provisioned GPU of each approach, side by side."""
     out = []
     for case in dict.fromkeys(r["scenario"] for r in rows):
-        mine = {r["approach"]: r for r in rows if r["scenario"] == case}
-        tp = mine["torchpass hot swap"]
-        spares = tp["policy"]["spares"]
-        per_gpu = tp["mean"] * tp["gpus"] / (tp["gpus"] + spares)
-        parts = "; ".join(f"{name} {r['mean']:.3f}" for name, r in mine.items())
-        out.append(f"- **{case}** (MTTF {tp['mttf_h']:.1f} h), simulated ETTR: {parts} (torchpass hot swap per "
-                   f"provisioned GPU, its {spares} idle spares counted: {per_gpu:.3f}).")
+        mine = [r for r in rows if r["scenario"] == case]
+        parts = "; ".join(f"{r['approach']} {goodput(Policy(**r['policy']), r['mean'], r['gpus'], m, a):.3f}"
+                          for r in mine)
+        out.append(f"- **{case}** (MTTF {mine[0]['mttf_h']:.1f} h), goodput per provisioned GPU: {parts}.")
     return out
 
 

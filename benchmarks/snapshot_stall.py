@@ -12,6 +12,8 @@ make about 500 MB, a snapshot at the boundary of every ``every``-th step. Modes,
 - *none*: no snapshot, for the step time the others are compared with.
 
 Throughput dip: mean step time over the 3 steps after each snapshot step, divided by the *none* run's median.
+Cost, the headline: the stall plus the time those 3 steps took beyond that median, since the background write
+competes with training for the cores and a stall alone would hide it.
 
 Run ``python benchmarks/snapshot_stall.py`` (full) or ``--smoke`` (tiny, checks the pipeline only).
 """
@@ -106,7 +108,7 @@ def render(size: Size, results: list[Result], smoke: bool, info: dict) -> str:
     by = {m: [r for r in results if r.mode == m] for m in MODES}
     base = statistics.median(r.step_ms for r in by["none"])
     stall = {m: statistics.median(s for r in rs for s in r.stalls_s) for m, rs in by.items() if m != "none" and rs}
-    lines = ["## Snapshot stall (`benchmarks/snapshot_stall.py`)", ""]
+    lines = ["## Snapshot cost: stall and slowdown (`benchmarks/snapshot_stall.py`)", ""]
     if smoke:
         lines += ["> **Smoke run**: tiny model, one repetition; the times are not a measurement.", ""]
     lines += machine_lines(info, command_line())
@@ -117,13 +119,18 @@ def render(size: Size, results: list[Result], smoke: bool, info: dict) -> str:
         f"of {size.steps}; local disk.",
         "- Stall: torchpass = what the loop waited per snapshot (building the state, the copies made at once, and "
         "the fence before the optimizer step); sync / async-io = duration of `trainer.save_checkpoint` "
-        "(with Lightning's "
-        "`AsyncCheckpointIO` for async-io). Dip: mean step time of the "
-        f"{DIP_STEPS} steps after a snapshot / the median step time of the runs without snapshots.",
+        "(with Lightning's `AsyncCheckpointIO` for async-io). Dip: mean step time of the "
+        f"{DIP_STEPS} steps after a snapshot / the median step time of the runs without snapshots. Cost: what a "
+        f"snapshot costs the run, the stall plus the time the {DIP_STEPS} steps after it took beyond that median "
+        "(the background write competes with training for the cores).",
         "",
-        "| Mode | Runs | Snapshots | Median stall (s) | Max stall (s) | Stall / sync stall | Dip after a snapshot |",
-        "|---|---|---|---|---|---|---|",
+        "| Mode | Runs | Snapshots | Median stall (s) | Max stall (s) | Stall / sync stall | Dip after a snapshot "
+        "| Cost per snapshot (s) | Cost / sync cost |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
+    cost = {m: statistics.median(s + DIP_STEPS * (a - base) / 1e3 for r in rs
+                                 for s, a in zip(r.stalls_s, r.after_ms, strict=True))
+            for m, rs in by.items() if m != "none" and rs}
     for m in MODES:
         rs = by[m]
         if not rs or m == "none":
@@ -131,13 +138,14 @@ def render(size: Size, results: list[Result], smoke: bool, info: dict) -> str:
         stalls = [s for r in rs for s in r.stalls_s]
         dips = [a / base for r in rs for a in r.after_ms]
         lines.append(f"| {m} | {len(rs)} | {len(stalls)} | {stall[m]:.4f} | {max(stalls):.4f} | "
-                     f"{stall[m] / stall['sync']:.4f} | {statistics.median(dips):.3f} |")
-    lines.append(f"| none | {len(by['none'])} | 0 | - | - | - | (step {base:.1f} ms) |")
-    ratio = stall["torchpass"] / stall["sync"]
-    verdict = "met" if ratio <= 0.02 else "not met"
+                     f"{stall[m] / stall['sync']:.4f} | {statistics.median(dips):.3f} | {cost[m]:.4f} | "
+                     f"{cost[m] / cost['sync']:.4f} |")
+    lines.append(f"| none | {len(by['none'])} | 0 | - | - | - | (step {base:.1f} ms) | - | - |")
+    ratio = cost["torchpass"] / cost["sync"]
     first = statistics.median(r.stalls_s[0] for r in by["torchpass"] if r.stalls_s)
     later = [s for r in by["torchpass"] for s in r.stalls_s[1:]]
-    lines += ["", f"**torchpass stall / synchronous save: {ratio:.4f}** (medians; target <= 0.02: {verdict}).", ""]
+    lines += ["", f"**A torchpass snapshot costs {ratio:.3f} of a synchronous save** (stall + slowdown after, "
+              f"medians; the stall alone: {stall['torchpass'] / stall['sync']:.4f}).", ""]
     if later:
         lines += [f"The first snapshot of a run allocates the host staging copy while it fills it, and stalls longer "
                   f"(median {first:.4f} s, {first / stall['sync']:.3f} of a synchronous save); later snapshots reuse "

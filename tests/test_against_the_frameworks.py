@@ -3,7 +3,8 @@
 Every bit-exact test compares a run of torchpass with another run of torchpass, so a mistake both share
 (a missing average, the data sharded wrong, a gradient scaled twice) would pass them all. Here the same
 model and data train under torchpass and under what a user would run without it: Lightning's ``ddp``
-(for ``torchpass_ddp`` and ``torchpass_fsdp``) and the Accelerate loop without ``TorchPass`` (its
+(for ``torchpass_ddp``), plain FSDP2 with the same units (Lightning's ``ModelParallelStrategy``, for
+``torchpass_fsdp``) and the Accelerate loop without ``TorchPass`` (its
 ``DistributedDataParallel``), with nothing random that torchpass draws differently by design (no dropout,
 no augmentation). The final weights must agree to float tolerance (the sums run in another order), while
 training has moved them far from where they started."""
@@ -35,22 +36,21 @@ def assert_agree(got: dict, want: dict, start: dict | None = None) -> None:
                 assert (want[name] - value).abs().max() > 1e-3, name
 
 
-@pytest.fixture(scope="module")
-def lightning_ddp(tmp_path_factory) -> dict:
-    out = tmp_path_factory.mktemp("lightning-ddp")
-    job, codes = run_command(out, [sys.executable, str(SCRIPT), "--strategy", "ddp", "--out", str(out / "out")])
+def framework_run(out: Path, strategy: str) -> dict:
+    job, codes = run_command(out, [sys.executable, str(SCRIPT), "--strategy", strategy, "--out", str(out / "out")])
     assert codes == [0], job.output()[-3000:]
     return torch.load(out / "out" / "weights.pt")
 
 
-@pytest.mark.parametrize("strategy", ["torchpass_ddp", "torchpass_fsdp"])
-def test_a_torchpass_strategy_trains_as_lightnings_ddp(tmp_path, lightning_ddp, strategy):
-    job, codes = run(tmp_path, nproc=3, spares=0, script=SCRIPT, train_args=("--strategy", strategy))
+@pytest.mark.parametrize(("strategy", "framework"), [("torchpass_ddp", "ddp"), ("torchpass_fsdp", "fsdp2")])
+def test_a_torchpass_strategy_trains_as_the_frameworks_own(tmp_path, strategy, framework):
+    want = framework_run(tmp_path / framework, framework)
+    job, codes = run(tmp_path / strategy, nproc=3, spares=0, script=SCRIPT, train_args=("--strategy", strategy))
     assert codes == [0], job.output()[-3000:]
     from torchpass_plugins.demo.train import Classifier
 
     torch.manual_seed(7)  # L.seed_everything(7), as the script
-    assert_agree(torch.load(job.out / "weights.pt"), lightning_ddp, start=Classifier().state_dict())
+    assert_agree(torch.load(job.out / "weights.pt"), want, start=Classifier().state_dict())
 
 
 def test_an_accelerate_loop_trains_as_without_torchpass(tmp_path):

@@ -124,6 +124,7 @@ FEATURE_JOB = Path(__file__).parent / "scripts" / "feature_job.py"
         ("manual", "torchpass_fsdp", "manual optimization (automatic_optimization = False) is not supported"),
         ("lbfgs", "torchpass_ddp", "the LBFGS optimizer is not supported"),
         ("sync_batchnorm", "torchpass_fsdp", "Trainer(sync_batchnorm=True) is not supported"),
+        ("own_sampler", "torchpass_ddp", "a sampler with set_epoch (Lightning's DistributedSampler"),
     ],
 )
 def test_a_feature_no_spare_could_continue_is_refused_before_training(tmp_path, feature, strategy, message):

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 from jobs import Job
 
@@ -36,13 +37,14 @@ def _env(faults: str = "") -> dict[str, str]:
     return {**env, "TORCHPASS_FAULTS": faults} if faults else env
 
 
-@pytest.mark.timeout(240)
-def test_lightning_example_relaunches_itself_with_a_spare_and_survives_a_kill(tmp_path):
+def _run_example(tmp_path: Path, faults: str = "") -> Job:
+    tmp_path.mkdir(parents=True, exist_ok=True)
     run_dir = tmp_path / "run"  # hydra.run.dir, and torchpass.run_dir by interpolation
     log = tmp_path / "example.log"
     with open(log, "wb") as out:
-        proc = subprocess.Popen([sys.executable, str(EXAMPLE), "torchpass=ddp", *SMOKE, f"hydra.run.dir={run_dir}"],
-                                stdout=out, stderr=subprocess.STDOUT, cwd=tmp_path, env=_env("kill@rank=1,step=5"),
+        proc = subprocess.Popen([sys.executable, str(EXAMPLE), "torchpass=ddp", *SMOKE, f"hydra.run.dir={run_dir}",
+                                 f"save_checkpoint={tmp_path / 'final.ckpt'}"],
+                                stdout=out, stderr=subprocess.STDOUT, cwd=tmp_path, env=_env(faults),
                                 start_new_session=True)
     job = Job(run_dir, agents=[proc], logs=[log])
     try:
@@ -50,6 +52,13 @@ def test_lightning_example_relaunches_itself_with_a_spare_and_survives_a_kill(tm
     finally:
         job.kill()
     assert codes == [0], job.output()[-4000:]
+    assert job.leftovers() == []
+    return job
+
+
+@pytest.mark.timeout(400)
+def test_lightning_example_relaunches_itself_with_a_spare_and_survives_a_kill(tmp_path):
+    job = _run_example(tmp_path / "killed", "kill@rank=1,step=5")
     started = job.events("agent_started")[0]
     assert (started["slots"], started["spares"], started["world_size"]) == (3, 1, 2)  # devices 2 + 1 spare
     failure = job.events("failure_detected")[0]
@@ -59,7 +68,17 @@ def test_lightning_example_relaunches_itself_with_a_spare_and_survives_a_kill(tm
     assert sorted(e["rank"] for e in job.events("recovered") if e["gen"] == 1) == [0, 1]
     assert job.events("job_finished")[-1]["outcome"] == "done"
     assert "trained 12 steps with TorchPassDDPStrategy" in job.output()
-    assert job.leftovers() == []
+    # The model it trained is, bit for bit, the one a run without the kill trains.
+    _run_example(tmp_path / "failure-free")
+    got, want = (torch.load(tmp_path / run / "final.ckpt", weights_only=False) for run in ("killed", "failure-free"))
+    assert got["global_step"] == want["global_step"] == 12
+    assert want["state_dict"].keys() == got["state_dict"].keys()
+    for name, tensor in want["state_dict"].items():
+        assert torch.equal(got["state_dict"][name], tensor), f"{name} differs from the failure-free run"
+    for mine, theirs in zip(got["optimizer_states"], want["optimizer_states"], strict=True):
+        for key, state in theirs["state"].items():
+            for field, value in state.items():
+                assert torch.equal(mine["state"][key][field], value), f"optimizer state {key}.{field}"
 
 
 @pytest.mark.timeout(120)

@@ -42,7 +42,7 @@ from torchpass_plugins.membership import (
     lost_after_the_step,
     reached_key,
 )
-from torchpass_plugins.rank_state import RankStateRing
+from torchpass_plugins.rank_state import RankStateRing, holders
 from torchpass_plugins.state_transfer import Landing, recv_state, send_state
 from torchpass_plugins.stragglers import StepTimer, stragglers
 from torchpass_plugins.transport import PeerFailure, Transport
@@ -505,20 +505,25 @@ class Runtime:
                 self._pending = (a.entry_step, a.spares)
 
     def _hand_over_rank_state(self, a: Agreement) -> None:
-        """Each spare gets the lost rank's rank-local state from the ring successor that holds its copy."""
+        """Each spare gets the lost rank's rank-local state from the holders of its copies that survived
+        (each sends what it has: one may have been a spare itself when the copy went round); where no copy
+        survived, the job stops with that reason rather than go on without it."""
         for spare in a.spares:
-            holder = (spare + 1) % self.world_size
-            if holder in a.spares:  # lost too: no copy survives; the spare starts from its own
-                if self.rank == spare:
-                    self.events.emit("rank_state_received", rank=spare, kind="none", step=a.entry_step)
-                continue
-            if self.rank == holder:
-                kind, state = self.rank_state.for_entry(a.entry_step)
+            alive = [h for h in holders(spare, self.world_size) if h not in a.spares]
+            if self.rank in alive:
+                kind, state = self.rank_state.for_entry(spare, a.entry_step)
                 send_state(self.transport, {"kind": kind, "state": state}, spare)
             elif self.rank == spare:
-                received, _ = recv_state(self.transport, holder)
-                self._entering_rank_state = received["state"]
-                self.events.emit("rank_state_received", rank=spare, kind=received["kind"], step=a.entry_step)
+                copies = [recv_state(self.transport, holder)[0] for holder in alive]
+                best = next((c for kind in ("boundary", "vote") for c in copies if c["kind"] == kind), None)
+                if best is None:
+                    raise Unrecoverable(
+                        f"torchpass: logical rank {spare} and every rank holding a copy of its own state (its "
+                        f"metric states and logged values), {holders(spare, self.world_size)}, were lost "
+                        "together; resume the job from its newest snapshot"
+                    )
+                self._entering_rank_state = best["state"]
+                self.events.emit("rank_state_received", rank=spare, kind=best["kind"], step=a.entry_step)
 
     # -- signals: planned migrations and step times, carried by a collective each step makes anyway -----
     def signals(self) -> torch.Tensor:

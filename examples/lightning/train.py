@@ -72,6 +72,8 @@ def train(cfg: DictConfig, torchpass: TorchPassConfig) -> None:
     model = hydra.utils.instantiate(cfg.model, vocab_size=data.vocab_size)
     trainer = hydra.utils.instantiate(cfg.trainer, **torchpass.trainer_kwargs())
     trainer.fit(model, data)
+    if cfg.save_checkpoint:
+        trainer.save_checkpoint(cfg.save_checkpoint)  # every rank calls it; the strategy decides who writes
     if trainer.is_global_zero:
         loss = trainer.callback_metrics.get("train_loss")
         print(f"trained {trainer.global_step} steps with {type(trainer.strategy).__name__}, "

@@ -11,7 +11,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from torchpass_plugins.chaos.matrix import Result, run_matrix, summary
-from torchpass_plugins.provenance import commit
+from torchpass_plugins.provenance import code_fingerprint, disclose, recorded
 
 BEGIN, END = "<!-- chaos:begin -->", "<!-- chaos:end -->"
 
@@ -37,7 +37,7 @@ def _write(doc: Path, seed: int, results: list[Result], table: str, minutes: flo
     raw.write_text("".join(json.dumps({"seed": seed, **asdict(r)}) + "\n" for r in results))
     block = (
         f"{begin}\n- Command: `torchpass chaos --seed {seed} --scenarios {len(results)} --doc {doc}`\n"
-        f"- Commit: `{commit()}`; date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; "
+        f"- Code: {recorded()}; date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; "
         f"{minutes:.0f} minutes on this machine; every scenario's result: [{raw.name}](chaos/{raw.name})\n\n"
         f"{table}\n{end}"
     )
@@ -46,4 +46,5 @@ def _write(doc: Path, seed: int, results: list[Result], table: str, minutes: flo
         sys.exit(f"torchpass chaos: {doc} has no {BEGIN} ... {END} section to write into")
     if begin not in text:  # a seed not run before: its section goes last
         text = text.replace(END, f"{begin}\n{end}\n{END}", 1)
-    doc.write_text(re.sub(f"{re.escape(begin)}.*?{re.escape(end)}", lambda _: block, text, flags=re.S))
+    text = re.sub(f"{re.escape(begin)}.*?{re.escape(end)}", lambda _: block, text, flags=re.S)
+    doc.write_text(disclose(text, code_fingerprint()))
