@@ -42,7 +42,7 @@ from torchpass_plugins.membership import (
     lost_after_the_step,
     reached_key,
 )
-from torchpass_plugins.rank_state import RankStateRing, holders
+from torchpass_plugins.rank_state import RankStateRing
 from torchpass_plugins.state_transfer import Landing, recv_state, send_state
 from torchpass_plugins.stragglers import StepTimer, stragglers
 from torchpass_plugins.transport import PeerFailure, Transport
@@ -505,25 +505,27 @@ class Runtime:
                 self._pending = (a.entry_step, a.spares)
 
     def _hand_over_rank_state(self, a: Agreement) -> None:
-        """Each spare gets the lost rank's rank-local state from the holders of its copies that survived
-        (each sends what it has: one may have been a spare itself when the copy went round); where no copy
-        survived, the job stops with that reason rather than go on without it."""
+        """Each spare gets the lost rank's rank-local state from the ring successor that holds its copy.
+        Where no copy survived (that successor lost too, or a spare itself when the copy went round), the
+        spare goes on with its own, as after resuming from a snapshot, and says so (``rank_state_lost``):
+        a restart would lose the same values and the steps since the snapshot besides."""
         for spare in a.spares:
-            alive = [h for h in holders(spare, self.world_size) if h not in a.spares]
-            if self.rank in alive:
-                kind, state = self.rank_state.for_entry(spare, a.entry_step)
+            holder = (spare + 1) % self.world_size
+            if self.rank == holder and holder not in a.spares:
+                kind, state = self.rank_state.for_entry(a.entry_step)
                 send_state(self.transport, {"kind": kind, "state": state}, spare)
             elif self.rank == spare:
-                copies = [recv_state(self.transport, holder)[0] for holder in alive]
-                best = next((c for kind in ("boundary", "vote") for c in copies if c["kind"] == kind), None)
-                if best is None:
-                    raise Unrecoverable(
-                        f"torchpass: logical rank {spare} and every rank holding a copy of its own state (its "
-                        f"metric states and logged values), {holders(spare, self.world_size)}, were lost "
-                        "together; resume the job from its newest snapshot"
-                    )
-                self._entering_rank_state = best["state"]
-                self.events.emit("rank_state_received", rank=spare, kind=best["kind"], step=a.entry_step)
+                received = recv_state(self.transport, holder)[0] if holder not in a.spares else {"kind": "none"}
+                # None before the first boundary's copy: the lost rank had what a fresh process has.
+                if received["kind"] == "none" and a.entry_step > 0:
+                    self.events.emit("rank_state_lost", rank=spare, holder=holder, step=a.entry_step)
+                    print(f"torchpass: logical rank {spare}'s metric states and logged values were lost with rank "
+                          f"{holder}, which held their copy; on rank {spare} they start over at step "
+                          f"{a.entry_step}, as after resuming from a snapshot", file=sys.stderr, flush=True)
+                    continue
+                if received["kind"] != "none":
+                    self._entering_rank_state = received["state"]
+                self.events.emit("rank_state_received", rank=spare, kind=received["kind"], step=a.entry_step)
 
     # -- signals: planned migrations and step times, carried by a collective each step makes anyway -----
     def signals(self) -> torch.Tensor:

@@ -16,6 +16,9 @@ and every optimizer step applied; the classes say what it cost:
 - ``logs-at-vote``: replaced live, but the spare entered with its predecessor's logged values as of the
   step's commit vote (event ``rank_state_received``, ``kind: "vote"``): what the predecessor logged after
   that optimizer step is missing; everything else is compared.
+- ``logs-reset``: replaced live, but a lost rank's metric states and logged values were lost with the rank
+  holding their copy (event ``rank_state_lost``): on that rank they start over, as after resuming from a
+  snapshot; they are not compared, everything else is.
 - ``failure``: anything else: a divergence, a hang (the bound passed), a process left behind, a step
   applied twice without a log of it, a stop the resubmitted job could not resume from, or a fault that
   never struck (the scenario tested nothing).
@@ -61,7 +64,8 @@ class Result:
     workers_lost: int = 0  # workers the job declared lost
 
 
-OUTCOMES = ("zero-rollback", "no-loss", "rolled-back", "resumed", "restarted", "stopped", "logs-at-vote", "failure")
+OUTCOMES = ("zero-rollback", "no-loss", "rolled-back", "resumed", "restarted", "stopped", "logs-at-vote", "logs-reset",
+            "failure")
 
 
 def train_args(strategy: str, replicate_every: int, run_dir: Path) -> tuple[str, ...]:
@@ -159,6 +163,9 @@ def judge(
     before_tail = any(e["event"] == "rank_state_received" and e["kind"] == "vote" for e in events)
     if diverged and before_tail and not divergence(job, expected, CHECKPOINTED):
         return "logs-at-vote", f"a spare entered with its predecessor's logged values as of its last vote ({diverged})"
+    reset = any(e["event"] == "rank_state_lost" for e in events)
+    if diverged and reset and not divergence(job, expected, CHECKPOINTED):
+        return "logs-reset", f"a lost rank's logged values were lost with their holder and started over ({diverged})"
     if diverged:
         return "failure", diverged
     applied = [job.applied(r) for r in range(WORLD)]
@@ -250,7 +257,7 @@ def summary(results: list[Result], seed: int) -> str:
     lines += [
         "",
         "By the phase and the fault of the scenario's target; each cell: zero rollback or no loss / recovered "
-        "at a cost (rolled back, resumed, restarted, stopped, logs at the vote) / failure.",
+        "at a cost (rolled back, resumed, restarted, stopped, logs at the vote, logs reset) / failure.",
         "",
         "| phase | " + " | ".join(actions) + " |",
         "|---|" + "---|" * len(actions),
