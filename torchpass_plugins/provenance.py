@@ -72,11 +72,13 @@ def recorded() -> str:
 
 @dataclass(frozen=True)
 class Section:
-    """One generated section of a document and where it ends (its note goes right after)."""
+    """One generated section of a document: where it ends (its note goes right after) and where its note
+    ends (the same place when it has none)."""
 
     name: str
     body: str
     end: int
+    after: int
     note_code: str | None  # the fingerprint its "measured on older code" note names, if it has one
 
     @property
@@ -97,7 +99,8 @@ def sections(text: str) -> list[Section]:
     for match in _SECTION.finditer(text):
         name, body = (match.group(1), match.group(2)) if match.group(1) else (f"chaos {match.group(3)}", match.group(4))
         note = _STALE.match(text, match.end())
-        found.append(Section(name, body, match.end(), note.group(1) if note else None))
+        found.append(Section(name, body, match.end(), note.end() if note else match.end(),
+                             note.group(1) if note else None))
     return found
 
 
@@ -118,8 +121,6 @@ def disclose(text: str, current: str) -> str:
     """``text`` with a note after every section measured on other code than ``current`` (and none after the
     others): the plain statement the docs owe their readers until the figure is measured again."""
     for section in reversed(sections(text)):
-        note = _STALE.match(text, section.end)
-        after = note.end() if note else section.end
         line = ""
         if section.code != current:
             found = _COMMIT.search(section.body)
@@ -127,7 +128,7 @@ def disclose(text: str, current: str) -> str:
             line = (f"\n> **Measured on older code.** These figures ran on {section.describe()}; the code has "
                     f"changed since (modules: {since}). Rerun the command above to measure the current code. "
                     f"<!-- stale code={current} -->")
-        text = text[: section.end] + line + text[after:]
+        text = text[: section.end] + line + text[section.after :]
     return text
 
 
