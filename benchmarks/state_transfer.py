@@ -2,7 +2,7 @@
 
 What a recovery moves is a training state (parameters plus AdamW moments, a few Python values), from a
 survivor to the spare, over the generation's gloo group. *torchpass* is exactly that code path:
-``send_state`` / ``recv_state`` (``torchpass_plugins/state_transfer.py``) over a real ``Transport`` (the
+``send_state`` / ``recv_state`` (``torchpass_plugins/state_transfer.py``) over a real ``ReconfigurableGroup`` (the
 real ``Member`` connected to a store, the real group rendezvous, the real waits), so the time includes
 the structure message and the copy of the small tensors into one message; the spare receives the large
 tensors into a ``Landing`` it prepared (untimed) from the shapes the donor announced, as a waiting spare
@@ -102,8 +102,8 @@ def worker(rank: int, store: str, plan: Plan, out: Path) -> None:
     import torch.distributed as dist
 
     from torchpass_plugins.membership import Member, WorkerEnv
+    from torchpass_plugins.process_group import ReconfigurableGroup
     from torchpass_plugins.state_transfer import Landing, pack, recv_state, send_state, unpack
-    from torchpass_plugins.transport import Transport
     from torchpass_plugins.tree import tensors_in
 
     ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: never outlive the driver
@@ -111,8 +111,8 @@ def worker(rank: int, store: str, plan: Plan, out: Path) -> None:
     env = WorkerEnv(store=store, token="bench", worker_id=f"w{rank}", world_size=2, node_rank=0, local_slot=rank,
                     run_dir=str(out), seed=0, heartbeat_interval=0.5)
     member = Member(env)  # connects to the store only: no join, no heartbeat, no roster watch
-    transport = Transport(member, timeout, name="transfer")
-    transport.connect(0, rank)
+    transport = ReconfigurableGroup(member, timeout, name="transfer")
+    transport.configure(0, rank)
     raw_pg = dist.ProcessGroupGloo(dist.PrefixStore("raw", member.thread_store()), rank, 2, timeout)
     barrier = torch.zeros(1)
     rows: list[dict[str, Any]] = []
@@ -255,9 +255,9 @@ def render(plan: Plan, table: list[dict[str, Any]], smoke: bool, info: dict[str,
         "- Setup: 2 processes (donor, spare) on 127.0.0.1 (`GLOO_SOCKET_IFNAME=lo`), one intra-op thread each. The "
         f"state: float32 weights plus AdamW `exp_avg`/`exp_avg_sq` in tensors of ~{TENSOR_BYTES / 1e6:.0f} MB, a "
         "step counter per parameter, param groups and loop counters, nested like a Lightning checkpoint.",
-        "- torchpass: `send_state` / `recv_state` over a real `Transport` (a `Member` on a store, the group's "
-        "rendezvous, its waits): a first message with the sizes and the structure, then every large tensor sent "
-        "in place (pieces of at most 8 MiB) and received straight into its final tensor, the small ones coalesced "
+        "- torchpass: `send_state` / `recv_state` over a real `ReconfigurableGroup` (a `Member` on a store, the "
+        "group's rendezvous, its waits): a first message with the sizes and the structure, then every large tensor "
+        "sent in place (pieces of at most 8 MiB) and received straight into its final tensor, the small ones coalesced "
         "into one message, all messages posted at once (no copy of the large tensors on either side). The spare "
         "receives into a `Landing`: the large tensors the donor announced (shapes and dtypes, as rank 0 announces "
         "them in the store after the first step), allocated and touched before the timed transfer, as a spare "

@@ -123,7 +123,6 @@ FEATURE_JOB = Path(__file__).parent / "scripts" / "feature_job.py"
         ("iterable", "torchpass_ddp", "reads an IterableDataset"),
         ("manual", "torchpass_fsdp", "manual optimization (automatic_optimization = False) is not supported"),
         ("lbfgs", "torchpass_ddp", "the LBFGS optimizer is not supported"),
-        ("sync_batchnorm", "torchpass_fsdp", "Trainer(sync_batchnorm=True) is not supported"),
         ("own_sampler", "torchpass_ddp", "a sampler with set_epoch (Lightning's DistributedSampler"),
     ],
 )

@@ -11,6 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 from jobs import Job, run
 
 from torchpass_plugins.chaos.oracle import differences
@@ -19,6 +20,8 @@ SCRIPT = Path(__file__).parent / "scripts" / "lightning_features.py"
 STEPS = 15  # 3 epochs of 80 samples per rank, batches of 4, 4 micro-batches per step
 DDP_BF16 = ("--strategy", "torchpass_ddp", "--precision", "bf16-mixed", "--persistent-workers")
 FSDP_BF16 = ("--strategy", "torchpass_fsdp", "--precision", "bf16-mixed", "--stateful-loader")
+DDP_SYNC_BN = ("--strategy", "torchpass_ddp", "--sync-batchnorm")
+FSDP_SYNC_BN = ("--strategy", "torchpass_fsdp", "--sync-batchnorm")
 pytestmark = pytest.mark.timeout(400)
 
 
@@ -42,8 +45,11 @@ def failure_free(tmp_path_factory):
     [
         (DDP_BF16, "kill@rank=0,step=8,phase=data,micro=2"),
         (FSDP_BF16, "kill@rank=1,step=9,phase=forward,micro=1"),
+        # inside a SyncBatchNorm collective: the default group's 6th operation of the step (backward, micro 2)
+        (DDP_SYNC_BN, "kill@rank=0,step=8,phase=collective,micro=5"),
+        (FSDP_SYNC_BN, "kill@rank=2,step=9,phase=collective,micro=2"),
     ],
-    ids=["ddp-bf16-rank0", "fsdp-bf16-rank1"],
+    ids=["ddp-bf16-rank0", "fsdp-bf16-rank1", "ddp-syncbn-rank0", "fsdp-syncbn-rank2"],
 )
 def test_a_kill_between_micro_batches_of_a_later_epoch_is_bit_exact_on_every_rank(tmp_path, failure_free, args, fault):
     expected = failure_free(args)
@@ -55,6 +61,16 @@ def test_a_kill_between_micro_batches_of_a_later_epoch_is_bit_exact_on_every_ran
         assert not found, "differs from the failure-free run:\n" + "\n".join(found[:20])
         assert job.applied(rank) == list(range(STEPS)), f"rank {rank} applied {job.applied(rank)}"
     assert job.leftovers() == []
+
+
+def test_sync_batchnorm_keeps_one_set_of_statistics_over_every_rank(failure_free):
+    """``Trainer(sync_batchnorm=True)`` on CPU: the layer is torchpass's ``SyncBatchNorm`` (whose statistics
+    over the whole batch ``test_sync_batchnorm.py`` checks), the same on every rank."""
+    synced = failure_free(DDP_SYNC_BN)
+    states = [synced.state(rank) for rank in range(3)]
+    assert {s["batchnorm"] for s in states} == {"SyncBatchNorm"}
+    for key in ("body.1.running_mean", "body.1.running_var"):
+        assert all(torch.equal(s["module"][key], states[0]["module"][key]) for s in states), key
 
 
 def test_metrics_are_computed_over_every_rank(failure_free):

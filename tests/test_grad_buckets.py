@@ -10,16 +10,16 @@ from torch import nn
 
 from torchpass_plugins.grad_buckets import GradientBuckets
 from torchpass_plugins.membership import Member, WorkerEnv, connect_store
-from torchpass_plugins.transport import Transport
+from torchpass_plugins.process_group import ReconfigurableGroup
 
 
-def _single_rank_transport() -> tuple[Transport, Member]:
+def _single_rank_transport() -> tuple[ReconfigurableGroup, Member]:
     master = connect_store("127.0.0.1:0", is_master=True, timeout=30)
     env = WorkerEnv(store=f"127.0.0.1:{master.port}", token="tok", worker_id="n0-s0-i0", world_size=1, node_rank=0,
                     local_slot=0, run_dir="", seed=0, heartbeat_interval=0.5)
     member = Member(env)
-    transport = Transport(member, timedelta(seconds=30))
-    transport.connect(0, 0)
+    transport = ReconfigurableGroup(member, timedelta(seconds=30))
+    transport.configure(0, 0)
     transport._master = master  # keep the store server alive with the transport
     return transport, member
 

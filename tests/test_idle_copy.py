@@ -12,9 +12,9 @@ import torch
 
 from torchpass_plugins import idle_copy
 from torchpass_plugins.idle_copy import IdleCopy, pieces
+from torchpass_plugins.process_group import PeerFailure
 from torchpass_plugins.ring_replication import RingReplicator
 from torchpass_plugins.state_transfer import unpack
-from torchpass_plugins.transport import PeerFailure
 
 TIMEOUT_S = 30
 
@@ -105,10 +105,10 @@ def test_a_piece_held_past_the_grace_is_reported_and_lands_only_later():
 class _NoPeer:
     """A side group whose roster is always stale: a round packs, then its exchange fails at once."""
 
-    rank, world_size, pg = 0, 2, None
+    rank, world_size = 0, 2
 
-    def stale(self) -> bool:
-        return True
+    def errored(self) -> str:
+        return "a newer roster"
 
 
 def test_the_fence_redoes_a_round_whose_copy_it_gave_up_on_into_another_segment(monkeypatch):

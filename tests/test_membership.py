@@ -28,7 +28,7 @@ from torchpass_plugins.membership import (
     roster_key,
     watch_key,
 )
-from torchpass_plugins.transport import PeerFailure, Transport
+from torchpass_plugins.process_group import PeerFailure, ReconfigurableGroup
 
 
 @pytest.fixture
@@ -188,8 +188,8 @@ def test_a_blocked_collective_escapes_when_a_newer_roster_appears(store):
         env = WorkerEnv(store=endpoint, token="tok", worker_id=f"n0-s{rank}-i0", world_size=2, node_rank=0,
                         local_slot=rank, run_dir="", seed=0, heartbeat_interval=0.5)
         members.append(Member(env))
-    transports = [Transport(m, timedelta(seconds=60)) for m in members]
-    threads = [threading.Thread(target=t.connect, args=(0, r)) for r, t in enumerate(transports)]
+    transports = [ReconfigurableGroup(m, timedelta(seconds=60)) for m in members]
+    threads = [threading.Thread(target=t.configure, args=(0, r)) for r, t in enumerate(transports)]
     for th in threads:
         th.start()
     for th in threads:

@@ -14,22 +14,29 @@ import torch
 import torch.distributed as dist
 
 from torchpass_plugins.peer_memory import SegmentId
+from torchpass_plugins.process_group import PeerFailure
 from torchpass_plugins.ring_replication import RingReplicator
 from torchpass_plugins.state_transfer import pack, unpack
-from torchpass_plugins.transport import PeerFailure
 
 ROUNDS = 4
 TIMEOUT_S = 60
 
 
 class _Side:
-    """The part of ``Transport`` the replicator uses, over a plain gloo group that no roster replaces."""
+    """The part of ``ReconfigurableGroup`` the replicator uses, over a plain gloo group that no roster
+    replaces."""
 
     def __init__(self, pg: dist.ProcessGroup, rank: int) -> None:
         self.pg, self.rank, self.world_size = pg, rank, 2
 
-    def stale(self) -> bool:
-        return False
+    def errored(self) -> None:
+        return None
+
+    def send(self, tensors, dst, tag=0) -> dist.Work:
+        return self.pg.send(tensors, dst, tag)
+
+    def recv(self, tensors, src, tag=0) -> dist.Work:
+        return self.pg.recv(tensors, src, tag)
 
     def wait_all(self, works: list[dist.Work], what: str) -> None:
         for work in works:

@@ -30,16 +30,21 @@ class _Pair:
 
 
 class _Transport:
-    """The two operations ``state_transfer`` uses, on a plain group."""
+    """The operations ``state_transfer`` uses, on a plain group, one message at a time."""
 
     def __init__(self, pg: dist.ProcessGroup) -> None:
         self.pg = pg
 
-    def send(self, tensor, dst, tag=0):
-        self.pg.send([tensor], dst, tag).wait()
-
-    def recv(self, tensor, src, tag=0):
+    def recv_from(self, tensor, src, tag=0):
         self.pg.recv([tensor], src, tag).wait()
+
+    def send_many(self, tensors, dst, tag=0):
+        for tensor in tensors:
+            self.pg.send([tensor], dst, tag).wait()
+
+    def recv_many(self, tensors, src, tag=0):
+        for tensor in tensors:
+            self.recv_from(tensor, src, tag)
 
 
 def _state() -> dict:

@@ -16,7 +16,7 @@ The user keeps ``Accelerator``, ``prepare`` and their loop, and adds four lines:
 The recovery protocol is the core's (:class:`Runtime`), as for ``torchpass_ddp``: ``tp.batches`` marks
 step boundaries; ``accelerator.backward`` of a step's last micro-batch reduces the gradients in fixed
 buckets through the runtime and votes to commit the step, so a failure is retried from intact local
-gradients; the default ``torch.distributed`` group is a :class:`RecoverableWorldGroup`, so Accelerate's
+gradients; the default ``torch.distributed`` group is a :class:`RetryingGroup`, so Accelerate's
 own collectives survive too; DDP's wrapper stays (``unwrap_model`` and ``no_sync`` work) but passes
 ``forward`` straight to the module. A spare receives the tracked state (``state_dict`` of every tracked
 object, optimizer steps applied, Accelerate's accumulation counter, the data position) from a peer and
@@ -38,7 +38,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from torchpass_plugins import faults, world_group
+from torchpass_plugins import default_group, faults
+from torchpass_plugins.backends import communicate_on
+from torchpass_plugins.default_group import RetryingGroup
 from torchpass_plugins.errors import ConfigError
 from torchpass_plugins.grad_buckets import GradientBuckets
 from torchpass_plugins.membership import WorkerEnv
@@ -116,10 +118,12 @@ def seed_loader(loader: Any, seed: int) -> SeededSampler:
 class TorchPass:
     """Declares what a loop's state is and where its steps begin; see the module docstring."""
 
-    def __init__(self, seed: int | None = None, timeout: timedelta | float = timedelta(minutes=5)) -> None:
+    def __init__(self, seed: int | None = None, timeout: timedelta | float = timedelta(minutes=5),
+                 process_group_backend: str | None = None) -> None:
         """``seed``: the job seed of the per-step random streams (dropout, ...); pass the seed given to
         ``set_seed`` so that runs launched apart draw the same numbers (default: ``--seed`` of the launch,
-        else one derived from the job's token)."""
+        else one derived from the job's token). ``process_group_backend``: for CUDA tensors, where a GPU is
+        visible (``nccl`` unless given; ``gloo`` for several ranks sharing one GPU)."""
         self.active = WorkerEnv.from_env() is not None
         self.runtime: Runtime | None = None
         self._pending: dict[str, Any] | None = None  # a spare's received state, applied by ``track``
@@ -142,7 +146,10 @@ class TorchPass:
         host, port = rt.env.store.rsplit(":", 1)
         os.environ.setdefault("MASTER_ADDR", host)
         os.environ.setdefault("MASTER_PORT", port)
-        world_group.install(rt)
+        if torch.cuda.is_available():  # Accelerate places each process on cuda:LOCAL_RANK (its slot's GPU)
+            device = torch.device("cuda", rt.env.local_slot % torch.cuda.device_count())
+            communicate_on(rt.transport, device, process_group_backend)
+        default_group.install(RetryingGroup(rt), rt.transport.timeout)
         rt.adapter = self
         rt.rank_state = None
         rt.events.source = f"rank{rt.rank}"

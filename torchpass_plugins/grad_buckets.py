@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from torchpass_plugins.transport import PeerFailure, Transport
+from torchpass_plugins.process_group import PeerFailure, ReconfigurableGroup
 
 
 class GradientBuckets:
@@ -41,13 +41,13 @@ class GradientBuckets:
         self._flat: list[list[torch.Tensor]] = [[], []]  # per parity: one flat buffer per bucket
         self._views: list[list[list[torch.Tensor]]] = [[], []]  # per parity and bucket: each gradient's view
         self._parity = 0
-        self._overlapping: Transport | None = None
+        self._overlapping: ReconfigurableGroup | None = None
         self._ready = [0] * len(self.buckets)
         self._restart()
         for p in self.params:
             p.register_post_accumulate_grad_hook(self._on_grad)
 
-    def overlap_with(self, transport: Transport) -> None:
+    def overlap_with(self, transport: ReconfigurableGroup) -> None:
         """A new step: issue buckets during the coming backward, on ``transport``'s group at that time."""
         self._overlapping = transport
         self._ready = [0] * len(self.buckets)
@@ -66,7 +66,7 @@ class GradientBuckets:
             self._issue(n, self._overlapping)
             n += 1
 
-    def _issue(self, b: int, transport: Transport) -> None:
+    def _issue(self, b: int, transport: ReconfigurableGroup) -> None:
         bucket, flats = self.buckets[b], self._flat[self._parity]
         if len(flats) == b:
             flats.append(torch.empty(sum(p.numel() for p in bucket), dtype=bucket[0].dtype, device=bucket[0].device))
@@ -77,15 +77,15 @@ class GradientBuckets:
             else:
                 torch.mul(p.grad, self._scale, out=view)
         work = None
-        if transport.pg is not None and not transport.stale():
+        if transport.errored() is None:
             try:
-                work = transport.pg.allreduce([flats[b]])
+                work = transport.allreduce([flats[b]])
                 transport.track(work)
             except RuntimeError:
                 pass  # a broken group: reported when the bucket is waited for
         self._works.append((transport.gen, work))
 
-    def complete(self, transport: Transport, issued: Callable[[], None] = lambda: None) -> None:
+    def complete(self, transport: ReconfigurableGroup, issued: Callable[[], None] = lambda: None) -> None:
         """Issue what backward did not (all of it after a recovery), then wait for every bucket.
 
         Raises ``PeerFailure``; the local gradients are untouched until :meth:`write_back`.

@@ -27,8 +27,8 @@ from typing import Any
 
 import torch
 
+from torchpass_plugins.process_group import ReconfigurableGroup
 from torchpass_plugins.state_transfer import fields_of, frame, pack, structure_of, unpack
-from torchpass_plugins.transport import Transport
 
 _TAG = 7  # apart from the state hand-over's messages between the same two ranks
 _FIELDS = 3  # step, structure bytes, payload bytes
@@ -41,7 +41,7 @@ class RankStateRing:
     def __init__(self) -> None:
         self.copies: dict[str, dict[int, tuple[torch.Tensor, torch.Tensor]]] = {"vote": {}, "boundary": {}}
 
-    def exchange(self, transport: Transport, kind: str, step: int, state: Any) -> None:
+    def exchange(self, transport: ReconfigurableGroup, kind: str, step: int, state: Any) -> None:
         """Send ``state`` to the successor and keep the predecessor's, both at once (raises ``PeerFailure``)."""
         if transport.world_size < 2:
             return
@@ -49,12 +49,12 @@ class RankStateRing:
         meta, payload = pack(state)
         first, rest = frame([step, meta.numel(), payload.numel()], torch.cat([meta, payload]))
         theirs = torch.empty_like(first)
-        transport.wait_all([transport.pg.send([first], succ, _TAG), transport.pg.recv([theirs], pred, _TAG)],
+        transport.wait_all([transport.send([first], succ, _TAG), transport.recv([theirs], pred, _TAG)],
                            f"rank state at the {kind}")
         got_step, meta_n, payload_n = fields_of(theirs, _FIELDS)
         blob, rest_in = structure_of(theirs, _FIELDS, meta_n + payload_n)
-        works = [transport.pg.send([rest], succ, _TAG)] if rest is not None else []
-        works += [transport.pg.recv([rest_in], pred, _TAG)] if rest_in is not None else []
+        works = [transport.send([rest], succ, _TAG)] if rest is not None else []
+        works += [transport.recv([rest_in], pred, _TAG)] if rest_in is not None else []
         if works:
             transport.wait_all(works, f"rank state at the {kind}")
         kept = self.copies[kind]

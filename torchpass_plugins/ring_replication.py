@@ -32,8 +32,8 @@ import torch
 from torchpass_plugins import faults
 from torchpass_plugins.idle_copy import IdleCopy, copy_piece, pieces
 from torchpass_plugins.peer_memory import Segment, SegmentId, map_peer
+from torchpass_plugins.process_group import PeerFailure, ReconfigurableGroup
 from torchpass_plugins.state_transfer import fields_of, frame, pack_plan, structure_of
-from torchpass_plugins.transport import PeerFailure, Transport
 
 KEEP = 2
 _FIELDS = 7  # of the header: step, structure bytes, payload bytes, segment (pid, fd, device, inode)
@@ -56,7 +56,7 @@ class Packed:
 
 @dataclass
 class RingReplicator:
-    side: Transport
+    side: ReconfigurableGroup
     every: int
     share_memory: bool = True  # a same-host successor maps this rank's snapshots instead of receiving them
     copier: Callable[[list[tuple[torch.Tensor, torch.Tensor]]], IdleCopy] = IdleCopy  # (a test's hook)
@@ -171,35 +171,35 @@ class RingReplicator:
         side = self.side
         succ, pred = (side.rank + 1) % side.world_size, (side.rank - 1) % side.world_size
         try:
-            if side.stale() or side.pg is None:
-                raise PeerFailure("newer roster")
+            if (why := side.errored()) is not None:
+                raise PeerFailure(why)
             where = self._segments[-1].id.to_list() if mine.payload.numel() else [-1] * 4  # just written
             header, rest = frame([step, mine.meta.numel(), mine.payload.numel(), *where], mine.meta)
             theirs = torch.empty_like(header)
-            side.wait_all([side.pg.send([header], succ, 0), side.pg.recv([theirs], pred, 0)], "replication header")
+            side.wait_all([side.send([header], succ, 0), side.recv([theirs], pred, 0)], "replication header")
             got_step, meta_n, payload_n, *at = fields_of(theirs, _FIELDS)
             retired = _retire_oldest(self.replicas)
             mapped = self._map(SegmentId(*at), payload_n)
             if self._pred_mapped is None:  # this generation's first round: settle both directions
                 self._pred_mapped = mapped is not None
                 answer, reply = torch.tensor([int(self._pred_mapped)]), torch.empty(1, dtype=torch.int64)
-                handshake = [side.pg.send([answer], pred, 3), side.pg.recv([reply], succ, 3)]
+                handshake = [side.send([answer], pred, 3), side.recv([reply], succ, 3)]
                 side.wait_all(handshake, "replication handshake")
                 self._succ_maps = bool(reply.item())
             meta, rest_in = structure_of(theirs, _FIELDS, meta_n)
             works = []
             if rest is not None:
-                works.append(side.pg.send([rest], succ, 1))
+                works.append(side.send([rest], succ, 1))
             if rest_in is not None:
-                works.append(side.pg.recv([rest_in], pred, 1))
+                works.append(side.recv([rest_in], pred, 1))
             if mine.payload.numel() and not self._succ_maps:
-                works.append(side.pg.send([mine.payload], succ, 2))
+                works.append(side.send([mine.payload], succ, 2))
             payload = mapped
             if payload is None:
                 reusable = retired is not None and not retired.mapped and retired.payload.numel() == payload_n
                 payload = retired.payload if reusable else torch.empty(payload_n, dtype=torch.uint8)
                 if payload_n:
-                    works.append(side.pg.recv([payload], pred, 2))
+                    works.append(side.recv([payload], pred, 2))
             if works:
                 side.wait_all(works, "replication send/recv")
             self.replicas[got_step] = Packed(meta, payload, mapped=mapped is not None)

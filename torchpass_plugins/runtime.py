@@ -42,10 +42,10 @@ from torchpass_plugins.membership import (
     lost_after_the_step,
     reached_key,
 )
+from torchpass_plugins.process_group import PeerFailure, ReconfigurableGroup
 from torchpass_plugins.rank_state import RankStateRing
 from torchpass_plugins.state_transfer import Landing, recv_state, send_state
 from torchpass_plugins.stragglers import StepTimer, stragglers
-from torchpass_plugins.transport import PeerFailure, Transport
 
 T = TypeVar("T")
 _BEFORE_LOOP = (-1, -1)
@@ -164,8 +164,8 @@ class Runtime:
         self.env = env
         self.member = Member(env)
         atexit.register(self.close)
-        self.transport = Transport(self.member, timeout)
-        self.side_transports: list[Transport] = []  # other groups of this process (e.g. shard replication)
+        self.transport = ReconfigurableGroup(self.member, timeout)
+        self.side_transports: list[ReconfigurableGroup] = []  # other groups of this process (e.g. shard replication)
         self.events = EventLog(Path(env.run_dir) / "events.jsonl", source=env.worker_id)
         self._progress_logged = -float("inf")  # when the last ``progress`` event was written
         self.adapter: Adapter | None = None
@@ -231,7 +231,7 @@ class Runtime:
         self.is_spare = self.unproven_spare = gen > 0
         if not self.is_spare:
             try:
-                self.transport.connect(gen, rank)
+                self.transport.configure(gen, rank)
             except PeerFailure:
                 pass  # a failure before the first step: the first collective recovers
 
@@ -271,7 +271,7 @@ class Runtime:
         self._recover(_BEFORE_LOOP, reduced=False)
 
     # -- collectives --------------------------------------------------------------------------------------
-    def collective(self, fn: Callable[[Transport], T], skipped: T) -> T:
+    def collective(self, fn: Callable[[ReconfigurableGroup], T], skipped: T) -> T:
         """Run ``fn`` on the current group; on failure recover and retry, or, if others passed here, return
         the result they got (``skipped`` before a spare's entry boundary: the state it receives supersedes it)."""
         pos = (self.step, self.count)
@@ -280,8 +280,8 @@ class Runtime:
             if self._behind(pos):
                 return self._replayed(pos, skipped)
             try:
-                if self.transport.stale() or self.transport.pg is None:
-                    raise PeerFailure("newer roster")
+                if (why := self.transport.errored()) is not None:
+                    raise PeerFailure(why)
                 result = fn(self.transport)
             except PeerFailure as exc:
                 self._recover(pos, reduced=False, cause=str(exc))
@@ -315,8 +315,8 @@ class Runtime:
         while True:
             reduced = False
             try:
-                if self.transport.stale() or self.transport.pg is None:
-                    raise PeerFailure("newer roster")
+                if (why := self.transport.errored()) is not None:
+                    raise PeerFailure(why)
                 buckets.complete(self.transport, issued=lambda: faults.point("reduce"))
                 reduced = True
                 if self.rank_state is not None:  # before the vote: a finished vote implies every copy is made
@@ -393,7 +393,7 @@ class Runtime:
         state = self.adapter.rank_state()
         self.collective(lambda t: self.rank_state.exchange(t, "boundary", step, state), None)
 
-    def _send_to(self, transport: Transport, spares: list[int], state: Any) -> None:
+    def _send_to(self, transport: ReconfigurableGroup, spares: list[int], state: Any) -> None:
         for dst in spares:
             faults.point("donor")
             t0 = time.perf_counter()
@@ -410,7 +410,7 @@ class Runtime:
             gen = self.next_roster()
             try:
                 t_connect = time.perf_counter()
-                self.transport.connect(gen, self.rank)
+                self.transport.configure(gen, self.rank)
                 connect_s = time.perf_counter() - t_connect
                 if not self.is_spare:
                     faults.point("survivor")
@@ -448,7 +448,7 @@ class Runtime:
         """Tell the coordinator, once per generation, that this rank's group failed with no newer roster in
         sight: if a peer is alive but stalled outside the collective, only these reports reveal it."""
         gen = self.transport.gen
-        if self.transport.pg is None or self.member.latest_gen > gen or self._stall_reported == gen:
+        if not self.transport.built() or self.member.latest_gen > gen or self._stall_reported == gen:
             return
         self._stall_reported = gen
         self.member.store.queue_push(INBOX, json.dumps({
@@ -458,7 +458,7 @@ class Runtime:
 
     def next_roster(self) -> int:
         """Wait for a roster newer than the current group's; returns its generation (raises if it aborts)."""
-        self.member.wait_newer_than(self.transport.gen if self.transport.pg is not None else -1)
+        self.member.wait_newer_than(self.transport.gen if self.transport.built() else -1)
         gen = self.member.latest_gen
         roster = self.member.roster(gen)
         if roster.abort:

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from torchpass_plugins.transport import Transport
+from torchpass_plugins.process_group import ReconfigurableGroup
 from torchpass_plugins.tree import map_leaves, tensors_in
 
 _ALIGN = 64  # every tensor starts at a multiple of this in the payload (any dtype can view it)
@@ -199,7 +199,7 @@ def unpack(meta: torch.Tensor, payload: torch.Tensor) -> Any:
     )
 
 
-def send_state(transport: Transport, state: Any, dst: int) -> int:
+def send_state(transport: ReconfigurableGroup, state: Any, dst: int) -> int:
     """Send ``state`` to rank ``dst`` (received by :func:`recv_state`); returns the bytes moved."""
     skeleton, tensors, size = _strip(state)
     segments = _segments([r for r, _ in tensors])
@@ -217,7 +217,7 @@ def send_state(transport: Transport, state: Any, dst: int) -> int:
     return _send(transport, _meta(_Layout(skeleton, size, segments)), parts, dst)
 
 
-def send_packed(transport: Transport, meta: torch.Tensor, payload: torch.Tensor, dst: int) -> int:
+def send_packed(transport: ReconfigurableGroup, meta: torch.Tensor, payload: torch.Tensor, dst: int) -> int:
     """Send what :func:`pack` made (received by :func:`recv_state`); returns the bytes moved."""
     return _send(transport, meta, [payload[s.offset : s.offset + s.length] for s in _layout(meta).segments], dst)
 
@@ -248,7 +248,7 @@ def structure_of(first: torch.Tensor, count: int, meta_n: int) -> tuple[torch.Te
     return meta, (meta[inline:] if meta_n > inline else None)
 
 
-def _send(transport: Transport, meta: torch.Tensor, parts: list[torch.Tensor], dst: int) -> int:
+def _send(transport: ReconfigurableGroup, meta: torch.Tensor, parts: list[torch.Tensor], dst: int) -> int:
     """The first message (sizes, and the structure if it fits), the rest of the structure, the segments:
     all posted at once, waited for together."""
     moved = sum(p.numel() for p in parts)
@@ -257,15 +257,15 @@ def _send(transport: Transport, meta: torch.Tensor, parts: list[torch.Tensor], d
     return meta.numel() + moved
 
 
-def recv_state(transport: Transport, src: int, landing: Landing | None = None) -> tuple[Any, int]:
+def recv_state(transport: ReconfigurableGroup, src: int, landing: Landing | None = None) -> tuple[Any, int]:
     """Receive what :func:`send_state` or :func:`send_packed` sent, large tensors into ``landing``'s where
     their shape and dtype match; returns (state, bytes moved)."""
     first = torch.empty(_FIRST, dtype=torch.uint8)
-    transport.recv(first, src)
+    transport.recv_from(first, src)
     meta_n, moved = fields_of(first, 2)
     meta, rest = structure_of(first, 2, meta_n)
     if rest is not None:
-        transport.recv(rest, src)
+        transport.recv_from(rest, src)
     layout = _layout(meta)
     refs = _refs(layout.skeleton)
     tensors: list[torch.Tensor | None] = [None] * len(refs)
@@ -297,11 +297,6 @@ def recv_state(transport: Transport, src: int, landing: Landing | None = None) -
     return _rebuild(layout.skeleton, tensors), meta_n + moved
 
 
-def _transfer(transport: Transport, op: str, tensors: Iterable[torch.Tensor], peer: int) -> None:
-    """All sends (or receives) posted at once and waited for together, where the transport can."""
-    many = getattr(transport, f"{op}_many", None)
-    if many is not None:
-        many(tensors, peer)
-        return
-    for t in tensors:
-        getattr(transport, op)(t, peer)
+def _transfer(transport: ReconfigurableGroup, op: str, tensors: Iterable[torch.Tensor], peer: int) -> None:
+    """All sends (or receives) posted at once and waited for together."""
+    getattr(transport, f"{op}_many")(tensors, peer)

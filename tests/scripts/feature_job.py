@@ -12,7 +12,7 @@ from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 
 from torchpass_plugins import TorchPassCallback
 
-FEATURES = ("iterable", "manual", "lbfgs", "sync_batchnorm", "crash_loop", "own_sampler")
+FEATURES = ("iterable", "manual", "lbfgs", "crash_loop", "own_sampler")
 
 
 class Stream(IterableDataset):
@@ -63,7 +63,7 @@ def main() -> None:
     data = Stream() if args.feature == "iterable" else TensorDataset(torch.randn(256, 8, generator=g),
                                                                      torch.randint(0, 2, (256,), generator=g))
     trainer = L.Trainer(strategy=args.strategy, devices=args.devices, accelerator="cpu", max_steps=8,
-                        sync_batchnorm=args.feature == "sync_batchnorm", callbacks=[TorchPassCallback()],
+                        callbacks=[TorchPassCallback()],
                         use_distributed_sampler=args.feature != "own_sampler",  # its SequentialSampler stays
                         logger=False, enable_checkpointing=False, enable_progress_bar=False)
     trainer.fit(Model(args.feature), DataLoader(data, batch_size=8))

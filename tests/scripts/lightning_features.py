@@ -3,9 +3,9 @@
 (a ``DataLoader`` or torchdata's ``StatefulDataLoader``), BatchNorm, two parameter groups, two LR
 schedulers, a torchmetrics metric and ``sync_dist`` values logged per step and per epoch, gradient
 clipping, accumulation, validation every few batches with ``ModelCheckpoint`` and ``EarlyStopping``,
-several epochs. Every logical rank writes its full state at the
-end (``state_rank{r}.pt``), callbacks' state included, so a run with a failure is compared with the
-failure-free run rank by rank."""
+several epochs; ``--sync-batchnorm`` synchronizes the BatchNorm over the ranks. Every logical rank writes
+its full state at the end (``state_rank{r}.pt``), callbacks' state included, so a run with a failure is
+compared with the failure-free run rank by rank."""
 
 from __future__ import annotations
 
@@ -114,6 +114,7 @@ def full_state(trainer: L.Trainer, model: L.LightningModule, out: Path) -> dict:
             text = repr(sorted(callback.state_dict().items())).replace(str(out), "OUT")
             callbacks[type(callback).__name__] = text
     state["callbacks"] = callbacks
+    state["batchnorm"] = type(model.body[1]).__name__
     return state
 
 
@@ -128,6 +129,7 @@ def main() -> None:
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--persistent-workers", action="store_true")
     p.add_argument("--stateful-loader", action="store_true", help="torchdata's StatefulDataLoader for training")
+    p.add_argument("--sync-batchnorm", action="store_true")
     args = p.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     L.seed_everything(11)
@@ -138,7 +140,7 @@ def main() -> None:
         accelerator="cpu", strategy=strategy, devices=args.devices, precision=args.precision,
         max_epochs=args.epochs, accumulate_grad_batches=args.accumulate, gradient_clip_val=0.5,
         val_check_interval=12, num_sanity_val_steps=0, logger=False, enable_progress_bar=False,
-        enable_model_summary=False,
+        enable_model_summary=False, sync_batchnorm=args.sync_batchnorm,
         callbacks=[TorchPassCallback(),
                    ModelCheckpoint(dirpath=args.out / "checkpoints", monitor="val_loss", save_top_k=2),
                    EarlyStopping(monitor="val_loss", patience=50)],

@@ -15,11 +15,13 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from lightning.pytorch.plugins import TorchSyncBatchNorm
 from lightning.pytorch.trainer.connectors import data_connector
 from lightning.pytorch.trainer.connectors.logger_connector.result import _Metadata, _ResultMetric, _Sync
 from torchmetrics import Metric
 
 from torchpass_plugins.errors import ConfigError
+from torchpass_plugins.sync_batchnorm import TorchPassSyncBatchNorm
 
 _REDUCE = {"mean": torch.mean, "sum": torch.sum, "max": torch.max, "min": torch.min}
 _META = (
@@ -144,14 +146,18 @@ def replayed_batch_end(loop: Any, ready_before: int) -> bool:
     return True
 
 
+def apply_layer_sync(strategy: Any, model: Any) -> Any:
+    """What Lightning's strategies do at ``setup`` with ``sync_batchnorm=True`` (``strategy._layer_sync``),
+    with torchpass's layer sync, which also runs on CPU, in place of Lightning's default one."""
+    if strategy._layer_sync is None:
+        return model
+    if type(strategy._layer_sync) is TorchSyncBatchNorm:
+        strategy._layer_sync = TorchPassSyncBatchNorm()
+    return strategy._layer_sync.apply(model)
+
+
 def refuse_unsupported(trainer: Any) -> None:
     """Refuse, on every rank and before training, what a spare could not continue bit for bit."""
-    if trainer.strategy._layer_sync is not None:
-        raise ConfigError(
-            "torchpass: Trainer(sync_batchnorm=True) is not supported: SyncBatchNorm's collectives run inside "
-            "forward, outside the recoverable step. Remove it (plain BatchNorm works: each rank's statistics "
-            "are kept and handed on)."
-        )
     if not trainer.lightning_module.automatic_optimization:
         raise ConfigError(
             "torchpass: manual optimization (automatic_optimization = False) is not supported: a spare enters at "

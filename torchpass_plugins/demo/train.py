@@ -136,6 +136,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--bucket-cap-mb", type=float, default=None, help="gradient bucket size (several buckets)")
     p.add_argument("--collective-timeout", type=float, default=None, help="seconds per collective (default 300)")
     p.add_argument("--strategy", choices=["torchpass_ddp", "torchpass_fsdp"], default="torchpass_ddp")
+    p.add_argument("--accelerator", choices=["cpu", "gpu"], default="cpu",
+                   help="gpu: each process on its slot's GPU (with one GPU per node: --devices 1 --num-nodes N)")
+    p.add_argument("--process-group-backend", choices=["gloo", "nccl"], default=None,
+                   help="for CUDA tensors (default nccl; gloo lets several ranks share one GPU)")
+    p.add_argument("--deterministic", action="store_true", help="Trainer(deterministic=True): bit-exact on a GPU")
     p.add_argument("--replicate-every", type=int, default=1, help="torchpass_fsdp: ring replica refresh interval")
     p.add_argument("--freeze-first", action="store_true", help="freeze the first layer (a frozen backbone)")
     p.add_argument("--model-aware", action="store_true", help="torchpass_fsdp: move only trainable state")
@@ -162,11 +167,14 @@ def main(argv: list[str] | None = None) -> None:
     if args.strategy == "torchpass_fsdp":
         strategy = TorchPassFSDPStrategy(auto_wrap_policy={nn.Linear}, replicate_every_n_steps=args.replicate_every,
                                          state_filter=trainable_only if args.model_aware else None,
-                                         timeout=args.collective_timeout or 300)
-    elif args.bucket_cap_mb or args.collective_timeout:
-        strategy = TorchPassDDPStrategy(bucket_cap_mb=args.bucket_cap_mb or 4.0, timeout=args.collective_timeout or 300)
+                                         timeout=args.collective_timeout or 300,
+                                         process_group_backend=args.process_group_backend)
+    elif args.bucket_cap_mb or args.collective_timeout or args.process_group_backend:
+        strategy = TorchPassDDPStrategy(bucket_cap_mb=args.bucket_cap_mb or 4.0, timeout=args.collective_timeout or 300,
+                                        process_group_backend=args.process_group_backend)
     trainer = L.Trainer(
-        accelerator="cpu",
+        accelerator=args.accelerator,
+        deterministic=args.deterministic or None,
         strategy=strategy,
         devices=args.devices,
         num_nodes=args.num_nodes,

@@ -27,15 +27,17 @@ from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from torchpass_plugins import faults, world_group
-from torchpass_plugins._compat.lightning import refuse_unsupported, wait_in_prepare_data
+from torchpass_plugins import default_group, faults
+from torchpass_plugins._compat.lightning import apply_layer_sync, refuse_unsupported, wait_in_prepare_data
+from torchpass_plugins.backends import communicate_on
 from torchpass_plugins.buffer_sync import BufferSync
 from torchpass_plugins.callback import TorchPassCallback
+from torchpass_plugins.default_group import RetryingGroup
 from torchpass_plugins.environment import TorchPassEnvironment
 from torchpass_plugins.errors import ConfigError
 from torchpass_plugins.grad_buckets import GradientBuckets
 from torchpass_plugins.lightning_adapter import LightningAdapter
-from torchpass_plugins.transport import Transport
+from torchpass_plugins.process_group import ReconfigurableGroup
 
 _REDUCE_OPS = {"sum": torch.distributed.ReduceOp.SUM, "max": torch.distributed.ReduceOp.MAX,
                "min": torch.distributed.ReduceOp.MIN}
@@ -55,6 +57,7 @@ class TorchPassDDPStrategy(ParallelStrategy):
         precision_plugin=None,
         timeout: Union[timedelta, float] = timedelta(minutes=5),
         bucket_cap_mb: float = 4.0,
+        process_group_backend: Optional[str] = None,
     ) -> None:
         timeout = timeout if isinstance(timeout, timedelta) else timedelta(seconds=timeout)
         super().__init__(
@@ -66,6 +69,7 @@ class TorchPassDDPStrategy(ParallelStrategy):
         )
         self._num_nodes = 1
         self._bucket_cap_mb = bucket_cap_mb
+        self._process_group_backend = process_group_backend
         self._buckets: GradientBuckets | None = None
         self.runtime = self.cluster_environment.runtime
         self.adapter = LightningAdapter(self)
@@ -85,6 +89,11 @@ class TorchPassDDPStrategy(ParallelStrategy):
         if self.parallel_devices and self.parallel_devices[0].type == "cuda":
             return torch.device("cuda", self.local_rank % torch.cuda.device_count())
         return torch.device("cpu")
+
+    @property
+    def process_group_backend(self) -> Optional[str]:
+        """The backend of the default group's device tensors (``nccl`` on CUDA unless given, as Lightning)."""
+        return self._process_group_backend
 
     @property
     def is_distributed(self) -> bool:
@@ -109,6 +118,7 @@ class TorchPassDDPStrategy(ParallelStrategy):
         rank_zero_only.rank = fabric_rank_zero_only.rank = self.global_rank
         super().setup_environment()
         rt = self.runtime
+        communicate_on(rt.transport, self.root_device, self._process_group_backend)
         rt.adapter = self.adapter
         rt.events.source = f"rank{rt.rank}"
         for callback in self.lightning_module.trainer.callbacks:
@@ -137,13 +147,15 @@ class TorchPassDDPStrategy(ParallelStrategy):
         """Start communicating: a spare receives its predecessor's state here. The default
         ``torch.distributed`` group becomes the recoverable one, so that what the user's code and libraries
         reduce themselves (torchmetrics' states) spans every rank and survives a failure."""
-        world_group.install(self.runtime)
+        default_group.install(RetryingGroup(self.runtime), self.runtime.transport.timeout)
         if self.runtime.is_spare:
             self.runtime.enter_as_spare()
 
     @override
     def setup(self, trainer) -> None:
         self.accelerator.setup(trainer)
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.model = apply_layer_sync(self, self.model)
         self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         self._broadcast_parameters()
@@ -159,9 +171,9 @@ class TorchPassDDPStrategy(ParallelStrategy):
         """Start every rank from rank 0's weights, as DDP does (a spare takes the donor's instead)."""
         tensors = [t for t in self.model.state_dict().values() if isinstance(t, Tensor)]
 
-        def run(t: Transport) -> None:
+        def run(t: ReconfigurableGroup) -> None:
             for tensor in tensors:
-                t.broadcast(tensor, 0)
+                t.broadcast_from(tensor, 0)
 
         with torch.no_grad():
             self.runtime.collective(run, None)
@@ -215,24 +227,24 @@ class TorchPassDDPStrategy(ParallelStrategy):
     # -- collectives ----------------------------------------------------------------------------------
     @override
     def barrier(self, name: Optional[str] = None) -> None:
-        self.runtime.collective(lambda t: t.barrier(), None)
+        self.runtime.collective(lambda t: t.sync(), None)
 
     def _wait_for_all(self, name: str) -> None:
-        """A barrier with no time limit (:meth:`Transport.wait_for_all`)."""
+        """A barrier with no time limit (:meth:`ReconfigurableGroup.wait_for_all`)."""
         self.runtime.collective(lambda t: t.wait_for_all(name), None)
 
     @override
     def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
-        def run(t: Transport) -> TBroadcast:
+        def run(t: ReconfigurableGroup) -> TBroadcast:
             buf = io.BytesIO()
             if t.rank == src:
                 pickle.dump(obj, buf)
             data = torch.frombuffer(bytearray(buf.getvalue() or b"\0"), dtype=torch.uint8)
             size = torch.tensor([data.numel()], dtype=torch.int64)
-            t.broadcast(size, src)
+            t.broadcast_from(size, src)
             if t.rank != src:
                 data = torch.empty(int(size), dtype=torch.uint8)
-            t.broadcast(data, src)
+            t.broadcast_from(data, src)
             return obj if t.rank == src else pickle.loads(data.numpy().tobytes())
 
         return self.runtime.collective(run, obj)
@@ -245,7 +257,7 @@ class TorchPassDDPStrategy(ParallelStrategy):
         mean = op in ("mean", "avg")
         dist_op = _REDUCE_OPS.get("sum" if mean else op, op)
 
-        def run(t: Transport) -> Tensor:
+        def run(t: ReconfigurableGroup) -> Tensor:
             out = tensor.detach().clone().to(torch.float32 if mean and not tensor.is_floating_point() else tensor.dtype)
             t.all_reduce(out, dist_op)
             return out / t.world_size if mean else out

@@ -1,6 +1,6 @@
 """``torchpass_fsdp``: fully sharded training (torch FSDP2) whose shards survive the loss of a rank.
 
-FSDP2 is built on a :class:`RelayGroup` (the default process group), so the group it holds survives
+FSDP2 is built on a :class:`PoisoningGroup` (the default process group), so the group it holds survives
 failures while the real gloo group is rebuilt per generation. Each rank's shard is replicated to its ring
 successor every ``replicate_every_n_steps`` steps (:class:`RingReplicator`). A failed collective poisons the
 relay: the step runs to its end locally, is discarded before the optimizer applies it, every member of the
@@ -33,17 +33,17 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPoli
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from torchpass_plugins import faults, shard_state
-from torchpass_plugins._compat.lightning import refuse_unsupported
+from torchpass_plugins import default_group, faults, shard_state
+from torchpass_plugins._compat.lightning import apply_layer_sync, refuse_unsupported
+from torchpass_plugins.default_group import PoisoningGroup
 from torchpass_plugins.errors import ConfigError
 from torchpass_plugins.membership import Unrecoverable
-from torchpass_plugins.relay_group import RelayGroup, init_relay_world
+from torchpass_plugins.process_group import PeerFailure, ReconfigurableGroup
 from torchpass_plugins.ring_replication import RingReplicator
 from torchpass_plugins.sharded_recovery import ShardAgreement, ShardRow
 from torchpass_plugins.state_transfer import recv_state, send_packed, send_state, unpack
 from torchpass_plugins.step_replay import ReplayFetcher, StepFailed, rewind_loops
 from torchpass_plugins.strategies.ddp import _REDUCE_OPS, TorchPassDDPStrategy
-from torchpass_plugins.transport import PeerFailure, Transport
 
 WrapPolicy = Union[set[type[nn.Module]], int, None]
 _CHECKPOINT_META = "lightning.pt"  # beside the DCP shards: everything but model and optimizer tensors
@@ -78,6 +78,7 @@ class TorchPassFSDPStrategy(TorchPassDDPStrategy):
         state_filter: model-aware mode: ``(name, param) -> bool`` selects the parameters whose shard state
             is replicated and handed over; the others are assumed unchanged since the spare built them.
         reshard_after_forward, mp_policy, offload_policy: passed to ``fully_shard``.
+        process_group_backend: the backend of the CUDA tensors' group (``nccl`` unless given), as Lightning.
     """
 
     strategy_name = "torchpass_fsdp"
@@ -96,10 +97,12 @@ class TorchPassFSDPStrategy(TorchPassDDPStrategy):
         reshard_after_forward: bool = True,
         mp_policy: Optional[MixedPrecisionPolicy] = None,
         offload_policy: Optional[OffloadPolicy] = None,
+        process_group_backend: Optional[str] = None,
     ) -> None:
         if replicate_every_n_steps < 0:
             raise ConfigError(f"torchpass: replicate_every_n_steps must be >= 0, got {replicate_every_n_steps}")
-        super().__init__(accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin, timeout)
+        super().__init__(accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin, timeout,
+                         process_group_backend=process_group_backend)
         self._timeout = timeout if isinstance(timeout, timedelta) else timedelta(seconds=timeout)
         self._policy = auto_wrap_policy
         self._state_filter = state_filter
@@ -108,12 +111,13 @@ class TorchPassFSDPStrategy(TorchPassDDPStrategy):
             self._shard_kwargs["mp_policy"] = mp_policy
         if offload_policy is not None:
             self._shard_kwargs["offload_policy"] = offload_policy
-        self.replicator = RingReplicator(Transport(self.runtime.member, self._timeout, "repl"), replicate_every_n_steps)
+        self.replicator = RingReplicator(ReconfigurableGroup(self.runtime.member, self._timeout, "repl"),
+                                         replicate_every_n_steps)
         self.runtime.side_transports.append(self.replicator.side)
         self.runtime.rank_state = None  # carried by the replication round instead (with the shard)
         self._own: dict[int, dict] = {}  # this rank's own state at recent boundaries (:meth:`_own_state`)
         self._entering_own: dict | None = None  # a spare's: the lost rank's, adopted at its first boundary
-        self.relay: RelayGroup | None = None
+        self.relay: PoisoningGroup | None = None
         self._fetcher: ReplayFetcher | None = None
         self._incoming: dict | None = None  # a spare's shard, applied when Lightning restores the model
         self._handing_over = False
@@ -133,19 +137,22 @@ class TorchPassFSDPStrategy(TorchPassDDPStrategy):
         if self.world_size < 2 and self.replicator.every:
             raise ConfigError("torchpass_fsdp replicates each shard on another rank: it needs devices >= 2")
         rt = self.runtime
-        self.relay = init_relay_world(rt.transport, rt.rank, rt.world_size, self._before_reduce, self._timeout)
+        self.relay = default_group.install(
+            PoisoningGroup(rt.transport, rt.rank, rt.world_size, self._before_reduce), self._timeout)
         if rt.is_spare:
             rt.events.emit("spare_promoted", rank=rt.rank, gen=rt.member.latest_gen)
             self._recover("spare promoted")
             return
         try:
-            self.replicator.side.connect(rt.transport.gen, rt.rank)
+            self.replicator.side.configure(rt.transport.gen, rt.rank)
         except PeerFailure as exc:
             self.relay.poisoned = str(exc)
 
     @override
     def setup(self, trainer) -> None:
         self.accelerator.setup(trainer)
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.model = apply_layer_sync(self, self.model)
         self.model_to_device()
         if not self.runtime.is_spare and self._incoming is None:
             self._broadcast_parameters()
@@ -170,7 +177,7 @@ class TorchPassFSDPStrategy(TorchPassDDPStrategy):
                 "torchpass_fsdp shards the LightningModule's child modules; move the parameters registered "
                 "directly on it into a submodule, or shard the model yourself in configure_model()"
             )
-        kwargs = {"mesh": DeviceMesh.from_group(dist.group.WORLD, "cpu"), **self._shard_kwargs}
+        kwargs = {"mesh": DeviceMesh.from_group(dist.group.WORLD, self.root_device.type), **self._shard_kwargs}
         managed: set[int] = set()
         for sub in reversed(list(module.modules())):
             if sub is module or not self._wraps(sub, managed):
@@ -311,7 +318,7 @@ class TorchPassFSDPStrategy(TorchPassDDPStrategy):
         successor (a forced round), so the spare starts from this very step: nothing is rolled back."""
         self._replicate(step, wait=True, force=True)
         try:  # every rank's round is complete (its successor holds the shard) before the moving rank leaves
-            self.runtime.transport.barrier()
+            self.runtime.transport.sync()
         except PeerFailure as exc:
             self.relay.poisoned = str(exc)
         if self.relay.poisoned is not None:  # a real failure meanwhile (a newer roster alone is the move)
@@ -484,8 +491,8 @@ class TorchPassFSDPStrategy(TorchPassDDPStrategy):
             except PeerFailure:
                 pass
             try:
-                rt.transport.connect(gen, rt.rank)
-                self.replicator.side.connect(gen, rt.rank)
+                rt.transport.configure(gen, rt.rank)
+                self.replicator.side.configure(gen, rt.rank)
                 if not rt.is_spare:
                     faults.point("survivor")
                 rows = [ShardRow.from_tensor(t) for t in rt.transport.all_gather(self._row().to_tensor())]
@@ -559,7 +566,7 @@ class TorchPassFSDPStrategy(TorchPassDDPStrategy):
             optimizer.zero_grad(set_to_none=True)
 
     # -- collectives (a poisoned relay leaves each rank with its local value within a step; after its
-    # optimizer step, see :meth:`RelayGroup.refuse_made_up`) ------------------------------------------
+    # optimizer step, see :meth:`PoisoningGroup.refuse_made_up`) ------------------------------------------
     def _local_only(self) -> bool:
         self.relay.refuse_made_up()
         return self._entering or self.relay.poisoned is not None
@@ -574,7 +581,7 @@ class TorchPassFSDPStrategy(TorchPassDDPStrategy):
         if self._local_only():
             return
         try:
-            self.relay.transport.wait_for_all(name)
+            self.relay.group.wait_for_all(name)
         except PeerFailure as exc:
             self.relay.poisoned = f"{name}: {exc}"
 

@@ -1,0 +1,159 @@
+"""The GPU check: what torchpass does on a real GPU, in under 8 minutes on a machine with one.
+
+Every part runs real ``torchpass launch`` jobs of the demo (``torchpass_plugins/demo/train.py``) on the
+GPU, with ``Trainer(deterministic=True)`` (deterministic algorithms, ``CUBLAS_WORKSPACE_CONFIG``), and
+compares every logical rank's full state at the end with a failure-free run of the same job:
+
+- (a) 3 ranks + 1 spare sharing the GPU over gloo on CUDA tensors; rank 1 SIGKILLed in backward.
+- (b) 1 active rank + 1 spare on NCCL, snapshots every 2 steps; the rank SIGKILLed mid-step. No peer
+  holds its state, so the job restarts from the newest snapshot on a new communicator (the fallback).
+- (c) NVML readings of the real GPU through the health source the agents use.
+- (d) snapshot stall with CUDA tensors: what the loop waits for a background snapshot (device -> pinned
+  host copies), beside how long writing that snapshot takes (what a synchronous save waits for), in one job.
+- (e) with two or more GPUs the NCCL kill/hang matrix would follow; this script says when it cannot run.
+
+It prints one table and writes it to ``docs/gpu.md`` (section ``gpu-check``). Run
+``python benchmarks/gpu_check.py`` on the GPU machine; nothing it reports is measured anywhere else.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+from _harness import REPO, command_line, machine, machine_lines, update_section
+
+from torchpass_plugins.chaos.jobs import run
+from torchpass_plugins.chaos.oracle import differences
+
+DOC = REPO / "docs" / "gpu.md"
+WORK = REPO / "benchmarks" / "out" / "gpu_check"
+STEPS = 16
+GPU = ["--accelerator", "gpu", "--deterministic", "--devices", "1", "--max-steps", str(STEPS), "--workers", "0"]
+NCCL = ["--process-group-backend", "nccl"]
+
+
+def _job(name: str, nproc: int, spares: int, args: tuple[str, ...], faults: str = "", launch: tuple[str, ...] = ()):
+    job, codes = run(WORK / name, nproc=nproc, spares=spares, train_args=args, faults=faults, launch_args=launch)
+    if codes != [0]:
+        raise RuntimeError(f"{name}: exit {codes}\n{job.output()[-2000:]}")
+    return job
+
+
+def _compare(expected, job, ranks: int, logged_values_restart: bool = False) -> str:
+    """Every rank's full state against the failure-free run's (after a snapshot resume the logged
+    values start over, as documented, so they are left out there)."""
+    found = []
+    for rank in range(ranks):
+        want, got = expected.state(rank), job.state(rank)
+        if logged_values_restart:
+            want.pop("callback_metrics"), got.pop("callback_metrics")
+        found += differences(want, got, f"rank{rank}")
+    what = "bit-exact on every rank" + (" (logged values left out: they start over)" if logged_values_restart else "")
+    return what if not found else f"{len(found)} differences, first: {found[0]}"
+
+
+def _recovery_s(job) -> float:
+    return max((e["seconds"] for e in job.events("recovered")), default=float("nan"))
+
+
+def shared_gpu_over_gloo() -> list[str]:
+    args = (*GPU, "--num-nodes", "3", "--process-group-backend", "gloo")
+    expected = _job("a-reference", 3, 0, args)
+    job = _job("a-kill", 4, 1, args, faults="kill@rank=1,step=7,phase=backward")
+    applied = all(job.applied(r) == list(range(STEPS)) for r in range(3))
+    return [f"(a) 3 ranks + 1 spare, one GPU, gloo | {_compare(expected, job, 3)}; every step applied once: "
+            f"{'yes' if applied else 'no'}; recovery {_recovery_s(job):.2f} s"]
+
+
+def nccl_restart_on_a_new_communicator() -> list[str]:
+    args = (*GPU, "--num-nodes", "1", *NCCL, "--snapshot-every", "2")
+    expected = _job("b-reference", 1, 0, (*args, "--snapshot-dir", str(WORK / "b-reference-snapshots")))
+    job = _job("b-kill", 2, 1, (*args, "--snapshot-dir", str(WORK / "b-kill-snapshots")),
+               faults="kill@rank=0,step=7,phase=backward", launch=("--max-restarts", "1"))
+    restarts = len(job.events("job_restart"))
+    same = _compare(expected, job, 1, logged_values_restart=True)
+    return [f"(b) 1 rank + 1 spare, NCCL | {same}; restarts from a snapshot: {restarts}; "
+            f"new communicator built: {'yes' if job.applied(0) else 'no'}"]
+
+
+def nvml_readings() -> list[str]:
+    from torchpass_plugins.health import NvmlHealthSource
+
+    readings = NvmlHealthSource().read(list(range(torch.cuda.device_count())))
+    return [f"(c) NVML, GPU {i} | {r}" for i, r in enumerate(readings)]
+
+
+def snapshot_stall() -> list[str]:
+    args = (*GPU, "--num-nodes", "1", "--hidden", "2048", "--max-steps", "24")
+    job = _job("d-snapshots", 1, 0, (*args, "--snapshot-every", "4", "--snapshot-dir", str(WORK / "d-snapshots")))
+    stalls = [e["stall_s"] for e in job.events("snapshot_staged")][1:]  # the first one allocates its staging
+    writes = [e["seconds"] for e in job.events("snapshot_written")][1:]
+    size = max((e["bytes"] for e in job.events("snapshot_written")), default=0) / 1e6
+    if not stalls or not writes:
+        raise RuntimeError(f"no snapshots measured: {len(stalls)} stalls, {len(writes)} writes")
+    stall, write = statistics.median(stalls), statistics.median(writes)
+    return [f"(d) snapshot of CUDA state ({size:.0f} MB), {len(stalls)} snapshots | the loop stalled {stall:.4f} s "
+            f"(median); writing it, which a synchronous save makes the loop wait for, took {write:.3f} s: "
+            f"stall / write = {stall / write:.3f}"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--doc", type=Path, default=DOC)
+    p.add_argument("--on-cpu", action="store_true",
+                   help="check this script on a machine without a GPU: parts (a), (b), (d) on CPU tensors over gloo, "
+                        "written to benchmarks/out/gpu-check-on-cpu.md (no GPU figures)")
+    ns = p.parse_args(argv)
+    doc = ns.doc
+    if ns.on_cpu:
+        GPU[GPU.index("gpu")] = "cpu"
+        NCCL[1] = "gloo"
+        doc = REPO / "benchmarks" / "out" / "gpu-check-on-cpu.md"
+    elif not torch.cuda.is_available():
+        print("gpu_check: no CUDA device here; nothing measured (--on-cpu checks the script itself)", file=sys.stderr)
+        return 2
+    info = machine()
+    count = torch.cuda.device_count()
+    rows, failures = [], []
+    parts = [shared_gpu_over_gloo, nccl_restart_on_a_new_communicator, nvml_readings, snapshot_stall]
+    if ns.on_cpu:
+        parts.remove(nvml_readings)
+    for part in parts:
+        t0 = time.perf_counter()
+        try:
+            rows += part()
+        except Exception as exc:
+            failures.append(part.__name__)
+            rows.append(f"{part.__name__} | FAILED: {type(exc).__name__}: {str(exc).splitlines()[0][:300]}")
+            traceback.print_exc()
+        print(f"[gpu_check] {part.__name__}: {time.perf_counter() - t0:.0f} s", flush=True)
+    if count < 2:
+        rows.append(f"(e) NCCL kill/hang matrix, abort deadline, communicator rebuild | not run: {count} GPU")
+    gpu = "none (run on CPU tensors, to check the script)" if ns.on_cpu else (
+        f"{count} x {torch.cuda.get_device_name(0)}; CUDA {torch.version.cuda}; "
+        f"NCCL {'.'.join(map(str, torch.cuda.nccl.version()))}")
+    body = "\n".join([
+        "## GPU check",
+        "",
+        *machine_lines(info, command_line()),
+        f"- GPU: {gpu}",
+        "",
+        "| part | result |",
+        "|---|---|",
+        *[f"| {row.split(' | ', 1)[0]} | {row.split(' | ', 1)[1]} |" for row in rows],
+    ])
+    update_section(doc, "gpu-check", body)
+    (WORK.parent / "gpu_check.json").write_text(json.dumps({"rows": rows, "failures": failures}, indent=2))
+    print(body)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,22 @@
+"""The prepared GPU check keeps working where no GPU is: its job parts run on CPU tensors over gloo."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from jobs import REPO
+
+pytestmark = pytest.mark.timeout(400)
+
+
+def test_the_gpu_check_runs_its_parts_on_cpu_tensors():
+    done = subprocess.run([sys.executable, "benchmarks/gpu_check.py", "--on-cpu"], cwd=REPO, capture_output=True,
+                          text=True, timeout=380)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    rows = {line.split(" | ")[0]: line for line in done.stdout.splitlines() if line.startswith("| (")}
+    assert "bit-exact on every rank; every step applied once: yes" in rows["| (a) 3 ranks + 1 spare, one GPU, gloo"]
+    assert "bit-exact on every rank" in rows["| (b) 1 rank + 1 spare, NCCL"]
+    assert "restarts from a snapshot: 1" in rows["| (b) 1 rank + 1 spare, NCCL"]
+    assert "stall / write = " in rows[next(k for k in rows if k.startswith("| (d)"))]
