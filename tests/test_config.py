@@ -23,6 +23,7 @@ REPO = Path(__file__).resolve().parents[1]
         ({"snapshots": {"every_n_steps": 10}}, "snapshots.dir=None is not allowed; use a path or fsspec URL"),
         ({"health": {"source": "smi"}}, "health.source='smi' is not allowed; use nvml | file:PATH | off"),
         ({"stragglers": {"factor": 0.5}}, "stragglers.factor=0.5 is not allowed; use a number > 1"),
+        ({"process_group_backend": "mpi"}, "process_group_backend='mpi' is not allowed; use null | gloo | nccl"),
         ({"snapshot": {"keep": 2}}, "unknown key snapshot; known: enabled, mode, spares"),
         ({"snapshots": {"kep": 2}}, "unknown key snapshots.kep; known: dir, every_n_steps, keep, when_busy"),
     ],

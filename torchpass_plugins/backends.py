@@ -24,6 +24,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from torchpass_plugins._compat.torch_distributed import nccl_options
 from torchpass_plugins.errors import ConfigError
 
 ABORT_DEADLINE_S = 10.0
@@ -72,11 +73,11 @@ class NcclBackend(Backend):
         self.device_index = device.index if device.index is not None else torch.cuda.current_device()
 
     def build(self, store: dist.Store, rank: int, world_size: int, timeout: timedelta) -> dist.ProcessGroup:
-        opts = dist.ProcessGroupNCCL.Options()
-        opts.config.blocking = 0
-        opts.is_high_priority_stream = False
-        opts._timeout = timeout
-        return dist.ProcessGroupNCCL(store, rank, world_size, opts)
+        group = dist.ProcessGroupNCCL(store, rank, world_size, nccl_options(timeout))
+        # The communicator now, while the build can still be abandoned for a newer roster (it is the
+        # rendezvous of every rank), rather than lazily in the training thread's first collective.
+        group.eager_connect_single_device(torch.device("cuda", self.device_index))
+        return group
 
     def abort(self, group: dist.ProcessGroup) -> None:
         group.abort()

@@ -70,6 +70,7 @@ class TorchPassConfig:
     spares: int = 1  # processes that wait to replace failed ones (job-wide)
     run_dir: str = "torchpass_runs/latest"  # events.jsonl and the report go here
     max_restarts: int = 3  # whole-job restarts (from the newest snapshot) when live recovery is impossible
+    process_group_backend: Optional[str] = None  # for CUDA tensors: nccl (null: on GPUs) | gloo (ranks sharing a GPU)
     replication: ReplicationConfig = field(default_factory=ReplicationConfig)
     snapshots: SnapshotConfig = field(default_factory=SnapshotConfig)
     health: HealthSettings = field(default_factory=HealthSettings)
@@ -89,6 +90,8 @@ class TorchPassConfig:
             value = _get(self, key)
             if value not in allowed:
                 bad(key, value, " | ".join(allowed))
+        if self.process_group_backend not in (None, "gloo", "nccl"):
+            bad("process_group_backend", self.process_group_backend, "null | gloo | nccl")
         for key in ("spares", "max_restarts", "replication.every_n_steps", "snapshots.every_n_steps",
                     "stragglers.window"):
             if _get(self, key) < 0:
@@ -128,9 +131,11 @@ class TorchPassConfig:
 
         if self.mode == "fsdp":
             strategy = TorchPassFSDPStrategy(timeout=self.timeouts.collective_s,
-                                             replicate_every_n_steps=self.replication.every_n_steps)
+                                             replicate_every_n_steps=self.replication.every_n_steps,
+                                             process_group_backend=self.process_group_backend)
         else:
-            strategy = TorchPassDDPStrategy(timeout=self.timeouts.collective_s)
+            strategy = TorchPassDDPStrategy(timeout=self.timeouts.collective_s,
+                                            process_group_backend=self.process_group_backend)
         s = self.snapshots
         callback = TorchPassCallback(snapshot_dir=s.dir, snapshot_every_n_steps=s.every_n_steps, snapshot_keep=s.keep,
                                      snapshot_when_busy=s.when_busy, snapshot_timeout=s.timeout_s)

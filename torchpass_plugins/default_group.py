@@ -15,7 +15,8 @@ lookups by name work. The wrapper decides only what a failed collective means:
   optimizer step (``after_step``) nothing is discarded, so there a failed collective raises instead.
 
 Operations complete before they return (:class:`CompletedWork`), except a :class:`PoisoningGroup`'s on
-CUDA tensors, which complete when their caller waits, so that FSDP2's collectives keep overlapping.
+CUDA tensors: their wait only orders the caller's stream after them, so FSDP2's collectives keep
+overlapping with compute, and whether they succeeded is settled once per step, before it is applied.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ import torch
 import torch.distributed as dist
 
 from torchpass_plugins import faults
+from torchpass_plugins._compat.torch_distributed import carry_name
+from torchpass_plugins.errors import ConfigError
 from torchpass_plugins.membership import lost_after_the_step
 from torchpass_plugins.process_group import PeerFailure, ReconfigurableGroup
 
@@ -85,7 +88,7 @@ class _FailureSemantics(dist.ProcessGroup):
 
     def allgather(self, outputs, inputs, opts=None) -> dist.Work:
         def issue(g: ReconfigurableGroup, flat: list[torch.Tensor]) -> list[dist.Work]:
-            return [g.allgather(_nested_like(outputs, flat), inputs)]
+            return [g.allgather(_nested_like(outputs, flat), [t.contiguous() for t in inputs])]
 
         def local() -> None:  # superseded: filled only so that the caller's shapes work out
             for out, t in zip(outputs, inputs, strict=True):
@@ -96,7 +99,7 @@ class _FailureSemantics(dist.ProcessGroup):
 
     def _allgather_base(self, output, input, opts=None) -> dist.Work:
         return self._run("all_gather", [output], lambda g, outs: [g._allgather_base(outs[0], input)],
-                         lambda: output.copy_(input.repeat(self.size())))
+                         lambda: output.copy_(torch.cat([input] * self.size())))
 
     all_gather_single = _allgather_base  # the name c10d's dispatcher calls
 
@@ -173,63 +176,75 @@ class PoisoningGroup(_FailureSemantics):
         self.poisoned: str | None = None
         self.after_step: int | None = None  # the step whose optimizer step was applied, until the next boundary
         self._before_reduce = before_reduce
+        self._in_flight: list[tuple[dist.Work, str]] = []  # CUDA collectives not yet known to have completed
 
     def heal(self) -> None:
         """The group was reconfigured and the state made consistent: forward collectives again."""
         self.poisoned = None
+        self._in_flight.clear()
 
     def refuse_made_up(self) -> None:
         """After the optimizer step, a failed collective's local result would be kept: raise instead."""
         if self.poisoned is not None and self.after_step is not None:
             raise lost_after_the_step(self.after_step)
 
+    def settle(self) -> None:
+        """Wait until the CUDA collectives issued since the last call have completed, poisoning the group if
+        one failed: called before a step is applied, the one place the host waits for them."""
+        if not self._in_flight:  # CPU collectives are settled as they run
+            return
+        in_flight, self._in_flight = self._in_flight, []
+        for work, what in in_flight:
+            try:
+                self.group.wait(work, what)
+            except PeerFailure as exc:
+                self.poisoned = self.poisoned or f"{what}: {exc}"
+        self.refuse_made_up()
+
     def _run(self, what, outputs, issue, fill_skipped=None) -> dist.Work:
         faults.point("collective")
         if what == "reduce_scatter":
             self._before_reduce()
+        self.refuse_made_up()
         works: list[dist.Work] = []
         if self.poisoned is None:
             try:
                 works = issue(self.group, outputs)
             except PeerFailure as exc:
                 self.poisoned = f"{what}: {exc}"
-        pending = _PendingWork(self, works, outputs, what)
-        if not (outputs and outputs[0].is_cuda):
-            pending.wait()  # CPU: complete before returning, like every group here
-        return pending
+        if works and outputs and outputs[0].is_cuda:
+            # On the device: the caller's wait orders its stream after the collective (FSDP2's overlap
+            # stays); whether it succeeded is settled before the step is applied (:meth:`settle`).
+            self._in_flight += [(work, what) for work in works]
+            return _StreamOrdered(works, outputs)
+        for work in works:
+            try:
+                self.group.wait(work, what)
+            except PeerFailure as exc:
+                self.poisoned = f"{what}: {exc}"
+                break
+        self.refuse_made_up()
+        if self.poisoned is not None and what != "broadcast":  # a poisoned broadcast leaves local values
+            for out in outputs:
+                out.zero_()
+        return CompletedWork(outputs)
 
 
-class _PendingWork(CompletedWork):
-    """A :class:`PoisoningGroup` operation, waited for when its caller waits: CUDA collectives stay on
-    their streams and overlap with compute as FSDP2 schedules them, while a failure still poisons."""
+class _StreamOrdered(CompletedWork):
+    """CUDA collectives whose ``wait`` only orders the caller's stream after them (no host wait); a backend
+    error is reported by :meth:`PoisoningGroup.settle`."""
 
-    def __init__(self, group: PoisoningGroup, works: list[dist.Work], outputs: list[torch.Tensor], what: str) -> None:
+    def __init__(self, works: list[dist.Work], outputs: list[torch.Tensor]) -> None:
         super().__init__(outputs)
-        self._group, self._works, self._outputs, self._what = group, works, outputs, what
-        self._done = False
+        self._works = works
 
     def wait(self, timeout: timedelta | None = None) -> bool:
-        if self._done:
-            return True
-        self._done = True
-        group = self._group
-        try:
-            for work in self._works:
-                group.group.wait(work, self._what)
-        except PeerFailure as exc:
-            group.poisoned = group.poisoned or f"{self._what}: {exc}"
-        group.refuse_made_up()
-        if group.poisoned is not None:
-            for out in self._outputs:
-                out.zero_()
+        for work in self._works:
+            try:
+                work.wait()
+            except RuntimeError:  # settled, and reported, before the step is applied
+                pass
         return True
-
-    def is_completed(self) -> bool:
-        return self._done
-
-    def get_future(self) -> torch.futures.Future:
-        self.wait()
-        return super().get_future()
 
 
 def install(group: _FailureSemantics, timeout: timedelta) -> _FailureSemantics:
@@ -250,9 +265,12 @@ def install(group: _FailureSemantics, timeout: timedelta) -> _FailureSemantics:
     return group
 
 
-def _created(options, group: _FailureSemantics) -> _FailureSemantics:
-    """The backend's constructor: the group was made already and comes in as the ``pg_options``.
-    c10d reads a group's name from a backend, so a one-rank gloo group carries it; it never communicates."""
-    holder = dist.ProcessGroupGloo(dist.HashStore(), 0, 1, options.timeout)
-    group._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.CUSTOM, holder)
+def _created(options, group: _FailureSemantics | None) -> _FailureSemantics:
+    """The backend's constructor: the group was made already and comes in as the ``pg_options``."""
+    if not isinstance(group, _FailureSemantics):
+        raise ConfigError(
+            "torchpass: the torchpass backend is the default group only; create other groups with "
+            "backend='gloo' or 'nccl' (they are not recovered after a failure)"
+        )
+    carry_name(group, options.timeout)
     return group

@@ -98,7 +98,7 @@ class GradientBuckets:
         issued()
         for b, (_, work) in enumerate(self._works):
             if work is None:
-                raise PeerFailure(f"all_reduce of gradient bucket {b} could not be issued")
+                raise PeerFailure(f"all_reduce of gradient bucket {b}: {transport.errored() or 'not issued'}")
             transport.wait(work, f"all_reduce of gradient bucket {b}")
 
     def write_back(self) -> None:

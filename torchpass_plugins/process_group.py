@@ -10,9 +10,10 @@ A collective whose peer died may block the survivors until the backend's timeout
 asynchronously and waited on in short slices: the wait ends as soon as the work completes *or* the
 member's roster watch reports a newer generation (then :class:`PeerFailure`). For gloo the waiting thread
 sleeps in gloo's own condition variable (``Work.wait(timeout)`` gives up without touching the operation);
-CUDA work is polled with ``is_completed()``, which asks the work's CUDA events and never blocks the host
-on the device. The stuck generation is aborted (:meth:`abort`) or, where its backend cannot abort,
-abandoned; its own timeout fires later, harmlessly, as a backstop.
+CUDA work is polled with ``is_completed()``, which asks the work's CUDA events: the host waits for that
+work to finish (the commit rule needs to know it did), never for the whole device. The stuck generation
+is aborted (:meth:`abort`) or, where its backend cannot abort, abandoned; its own timeout fires later,
+harmlessly, as a backstop.
 
 The blocking verbs (``all_reduce``, ``broadcast_from``, ``send_many`` ...) are what the protocol uses;
 the ``torch.distributed.ProcessGroup`` methods issue on the current generation and return its ``Work``,
@@ -35,6 +36,7 @@ import torch.distributed as dist
 
 from torchpass_plugins.backends import AbortHung, Backend, GlooBackend, abort_within
 from torchpass_plugins.membership import Member
+from torchpass_plugins.waits import completion, waited_in_thread
 
 _TICK = 0.05
 _SLICE = timedelta(seconds=_TICK)
@@ -49,7 +51,9 @@ class ReconfigurableGroup(dist.ProcessGroup):
     """The member's process group, at its logical rank, in the current generation."""
 
     def __init__(self, member: Member, timeout: timedelta, name: str = "pg") -> None:
-        super().__init__(0, member.env.world_size)  # rank() and size() are overridden: the rank comes later
+        # c10d never sees this group (the default group is a wrapper on it), so its C++ rank stays 0: the
+        # logical rank, known once the coordinator assigns it, is the ``rank`` attribute.
+        super().__init__(0, member.env.world_size)
         self.member = member
         self.name = name  # store prefix: groups of the same generation with other names are independent
         self.timeout = timeout
@@ -82,7 +86,7 @@ class ReconfigurableGroup(dist.ProcessGroup):
     def use_backend(self, backend: Backend) -> None:
         """Communicate tensors of ``backend.device`` through ``backend`` (from the current generation on)."""
         self.backends[backend.device] = backend
-        if self.gen >= 0 and self._failure is None:
+        if self.built():
             store = dist.PrefixStore(f"{self.name}/{self.gen}/{backend.device}", self.member.thread_store())
             self._groups[backend.device] = backend.build(store, self._rank, self.world_size, self.timeout)
 
@@ -152,8 +156,9 @@ class ReconfigurableGroup(dist.ProcessGroup):
                 ctypes.pythonapi.Py_IncRef(ctypes.py_object(pg))
 
     def close(self) -> None:
-        """Drop the groups (gloo's threads end now); only once :meth:`drain` found nothing pending."""
-        self._groups = {}
+        """End the groups at exit (gloo's threads end as they are dropped, NCCL's communicators are
+        aborted); only once :meth:`drain` found nothing pending."""
+        self.abort()
 
     def drain(self, timeout: float) -> bool:
         """Wait up to ``timeout`` for operations left in replaced groups; True when none is pending."""
@@ -170,38 +175,42 @@ class ReconfigurableGroup(dist.ProcessGroup):
         device = tensors[0].device.type if tensors else "cpu"
         return self._groups.get(device, self._groups["cpu"])  # gloo carries CUDA tensors where NCCL is not used
 
-    def _issued(self, tensors: list[torch.Tensor], work: dist.Work) -> dist.Work:
+    def _issue(self, tensors: list[torch.Tensor], op: str, *args) -> dist.Work:
+        group = self._group_for(tensors)
+        try:
+            work = getattr(group, op)(*args)
+        except RuntimeError as exc:  # the backend refused it (NCCL: a communicator its watchdog aborted)
+            raise self._fail(op, exc) from exc
         if tensors and tensors[0].device.type != "cpu":
             self._on_device[id(work)] = work
         return work
 
     def allreduce(self, tensors: list[torch.Tensor], opts=None) -> dist.Work:
-        return self._issued(tensors, self._group_for(tensors).allreduce(tensors, opts or dist.AllreduceOptions()))
+        return self._issue(tensors, "allreduce", tensors, opts or dist.AllreduceOptions())
 
     def broadcast(self, tensors: list[torch.Tensor], opts=None) -> dist.Work:
-        return self._issued(tensors, self._group_for(tensors).broadcast(tensors, opts or dist.BroadcastOptions()))
+        return self._issue(tensors, "broadcast", tensors, opts or dist.BroadcastOptions())
 
     def allgather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts=None) -> dist.Work:
-        return self._issued(inputs, self._group_for(inputs).allgather(outputs, inputs))
+        return self._issue(inputs, "allgather", outputs, inputs)
 
     def _allgather_base(self, output: torch.Tensor, input: torch.Tensor, opts=None) -> dist.Work:
-        return self._issued([input], self._group_for([input])._allgather_base(output, input))
+        return self._issue([input], "_allgather_base", output, input)
 
     def _reduce_scatter_base(self, output: torch.Tensor, input: torch.Tensor, opts=None) -> dist.Work:
-        group = self._group_for([input])
-        return self._issued([input], group._reduce_scatter_base(output, input, opts or dist.ReduceScatterOptions()))
+        return self._issue([input], "_reduce_scatter_base", output, input, opts or dist.ReduceScatterOptions())
 
     def gather(self, outputs, inputs: list[torch.Tensor], opts=None) -> dist.Work:
-        return self._issued(inputs, self._group_for(inputs).gather(outputs, inputs, opts or dist.GatherOptions()))
+        return self._issue(inputs, "gather", outputs, inputs, opts or dist.GatherOptions())
 
     def scatter(self, outputs: list[torch.Tensor], inputs, opts=None) -> dist.Work:
-        return self._issued(outputs, self._group_for(outputs).scatter(outputs, inputs, opts or dist.ScatterOptions()))
+        return self._issue(outputs, "scatter", outputs, inputs, opts or dist.ScatterOptions())
 
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> dist.Work:
-        return self._issued(tensors, self._group_for(tensors).send(tensors, dst, tag))
+        return self._issue(tensors, "send", tensors, dst, tag)
 
     def recv(self, tensors: list[torch.Tensor], src: int, tag: int = 0) -> dist.Work:
-        return self._issued(tensors, self._group_for(tensors).recv(tensors, src, tag))
+        return self._issue(tensors, "recv", tensors, src, tag)
 
     def barrier(self, opts=None) -> dist.Work:
         return self.allreduce([torch.zeros(1)])
@@ -210,7 +219,7 @@ class ReconfigurableGroup(dist.ProcessGroup):
     def track(self, work: dist.Work) -> None:
         """An operation issued but waited for elsewhere (or never, if a recovery comes first)."""
         self._escaped = [f for f in self._escaped if not f.done()]
-        self._escaped.append(_completion(work))
+        self._escaped.append(completion(work))
 
     def _fail(self, what: str, why: object) -> PeerFailure:
         self._failure = f"{what}: {why}"
@@ -226,7 +235,7 @@ class ReconfigurableGroup(dist.ProcessGroup):
             try:
                 work.get_future()
             except RuntimeError:  # gloo send/recv: no future, and a timed-out wait would close the connection
-                self._wait_future(_waited_in_thread([work]), what)
+                self._wait_future(waited_in_thread([work]), what)
                 return
             while True:
                 try:
@@ -266,7 +275,7 @@ class ReconfigurableGroup(dist.ProcessGroup):
             return
         t0 = time.perf_counter()
         try:
-            self._wait_future(_waited_in_thread(works), what)
+            self._wait_future(waited_in_thread(works), what)
         finally:
             self.waited += time.perf_counter() - t0
 
@@ -340,26 +349,3 @@ class ReconfigurableGroup(dist.ProcessGroup):
             raise
         return works
 
-
-def _completion(work: dist.Work):
-    """A future that is done once ``work`` is (gloo send/recv have none of their own: a helper thread's)."""
-    try:
-        return work.get_future()
-    except RuntimeError:
-        return _waited_in_thread([work])
-
-
-def _waited_in_thread(works: list[dist.Work]) -> Future:
-    """A future that a helper thread completes once every work is done (or fails with the first error)."""
-    fut: Future = Future()
-
-    def wait_works() -> None:
-        try:
-            for work in works:
-                work.wait()
-            fut.set_result(None)
-        except Exception as exc:  # handed over to the waiting thread
-            fut.set_exception(exc)
-
-    threading.Thread(target=wait_works, name="torchpass-wait", daemon=True).start()
-    return fut

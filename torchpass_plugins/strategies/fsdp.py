@@ -386,6 +386,7 @@ class TorchPassFSDPStrategy(TorchPassDDPStrategy):
                 )
 
     def _failure(self) -> str | None:
+        self.relay.settle()
         if self.relay.poisoned is not None:
             return self.relay.poisoned
         return "a newer roster" if self.runtime.transport.stale() else None

@@ -1,0 +1,29 @@
+"""The private parts of ``torch.distributed`` that torchpass uses, in one place (tested with torch 2.13).
+
+- A Python ``ProcessGroup`` made the default group through ``init_process_group`` needs a backend that
+  carries its name, since c10d reads a group's name from one of its backends
+  (``ProcessGroup._register_backend``, ``BackendType.CUSTOM``).
+- ``ProcessGroupNCCL.Options`` takes the collective timeout only through ``_timeout``.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+
+def carry_name(group: dist.ProcessGroup, timeout: timedelta) -> None:
+    """Register a one-rank gloo group as ``group``'s CPU backend: it carries the name and never communicates."""
+    holder = dist.ProcessGroupGloo(dist.HashStore(), 0, 1, timeout)
+    group._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.CUSTOM, holder)
+
+
+def nccl_options(timeout: timedelta) -> dist.ProcessGroup.Options:
+    """Options of a nonblocking NCCL communicator (the only kind that can be aborted safely)."""
+    opts = dist.ProcessGroupNCCL.Options()
+    opts.config.blocking = 0
+    opts.is_high_priority_stream = False
+    opts._timeout = timeout
+    return opts
