@@ -107,8 +107,8 @@ class _NoPeer:
 
     rank, world_size = 0, 2
 
-    def errored(self) -> str:
-        return "a newer roster"
+    def check(self) -> None:
+        raise PeerFailure("a newer roster")
 
 
 def test_the_fence_redoes_a_round_whose_copy_it_gave_up_on_into_another_segment(monkeypatch):

@@ -39,7 +39,7 @@ import torch
 from torch import nn
 
 from torchpass_plugins import default_group, faults
-from torchpass_plugins.backends import communicate_on
+from torchpass_plugins.backends import communicate_on, slot_gpu
 from torchpass_plugins.default_group import RetryingGroup
 from torchpass_plugins.errors import ConfigError
 from torchpass_plugins.grad_buckets import GradientBuckets
@@ -147,8 +147,7 @@ class TorchPass:
         os.environ.setdefault("MASTER_ADDR", host)
         os.environ.setdefault("MASTER_PORT", port)
         if torch.cuda.is_available():  # Accelerate places each process on cuda:LOCAL_RANK (its slot's GPU)
-            device = torch.device("cuda", rt.env.local_slot % torch.cuda.device_count())
-            communicate_on(rt.transport, device, process_group_backend)
+            communicate_on(rt.transport, slot_gpu(rt.env.local_slot), process_group_backend)
         default_group.install(RetryingGroup(rt), rt.transport.timeout)
         rt.adapter = self
         rt.rank_state = None

@@ -101,6 +101,12 @@ def abort_within(backend: Backend, group: dist.ProcessGroup) -> None:
         raise AbortHung(f"torchpass: aborting the {backend.name} group did not return within {deadline_s:.0f} s")
 
 
+def slot_gpu(slot: int) -> torch.device:
+    """The GPU of worker slot ``slot`` on its node: slot i uses GPU i (modulo the visible ones), so a spare
+    trains on its own GPU whichever logical rank it takes."""
+    return torch.device("cuda", slot % torch.cuda.device_count())
+
+
 def backend_for(process_group_backend: str | None, device: torch.device) -> Backend | None:
     """The backend for ``device``'s tensors besides gloo's CPU group, as Lightning picks it (``nccl`` on
     CUDA, unless the strategy was given ``process_group_backend``); None for CPU training."""

@@ -205,7 +205,6 @@ class PoisoningGroup(_FailureSemantics):
         faults.point("collective")
         if what == "reduce_scatter":
             self._before_reduce()
-        self.refuse_made_up()
         works: list[dist.Work] = []
         if self.poisoned is None:
             try:

@@ -77,12 +77,11 @@ class GradientBuckets:
             else:
                 torch.mul(p.grad, self._scale, out=view)
         work = None
-        if transport.errored() is None:
-            try:
-                work = transport.allreduce([flats[b]])
-                transport.track(work)
-            except RuntimeError:
-                pass  # a broken group: reported when the bucket is waited for
+        try:
+            work = transport.allreduce([flats[b]])
+            transport.track(work)
+        except RuntimeError:
+            pass  # a broken or replaced group: reported when the bucket is waited for
         self._works.append((transport.gen, work))
 
     def complete(self, transport: ReconfigurableGroup, issued: Callable[[], None] = lambda: None) -> None:

@@ -60,7 +60,7 @@ class ReconfigurableGroup(dist.ProcessGroup):
         self.backends: dict[str, Backend] = {"cpu": GlooBackend()}
         self._groups: dict[str, dist.ProcessGroup] = {}
         self.gen = -1
-        self._rank = -1
+        self.rank = -1  # an attribute here (over c10d's rank()): the wrappers answer c10d
         self.world_size = member.env.world_size
         self._failure: str | None = None  # what failed in this generation (it cannot be used again)
         self._escaped: list = []  # completion futures of operations that may still be pending (see _retire)
@@ -68,14 +68,6 @@ class ReconfigurableGroup(dist.ProcessGroup):
         self.waited = 0.0  # seconds spent waiting for operations so far (straggler detection subtracts it)
 
     # -- identity ---------------------------------------------------------------------------------------
-    @property
-    def rank(self) -> int:  # type: ignore[override]  # an attribute here; the wrappers answer c10d's rank()
-        return self._rank
-
-    @rank.setter
-    def rank(self, rank: int) -> None:
-        self._rank = rank
-
     def size(self) -> int:
         return self.world_size
 
@@ -88,7 +80,7 @@ class ReconfigurableGroup(dist.ProcessGroup):
         self.backends[backend.device] = backend
         if self.built():
             store = dist.PrefixStore(f"{self.name}/{self.gen}/{backend.device}", self.member.thread_store())
-            self._groups[backend.device] = backend.build(store, self._rank, self.world_size, self.timeout)
+            self._groups[backend.device] = backend.build(store, self.rank, self.world_size, self.timeout)
 
     def built(self) -> bool:
         """Whether the current generation's groups exist (they may have failed since)."""
@@ -105,6 +97,12 @@ class ReconfigurableGroup(dist.ProcessGroup):
             return f"generation {self.member.latest_gen} replaced {self.gen}"
         return self._failure
 
+    def check(self) -> None:
+        """Raise ``PeerFailure`` if this generation's group cannot be used (:meth:`errored`)."""
+        why = self.errored()
+        if why is not None:
+            raise PeerFailure(why)
+
     def configure(self, generation: int, rank: int) -> None:
         """Abort the current generation and join ``generation`` at ``rank``; ``PeerFailure`` if an even
         newer one appears meanwhile. Where the old generation cannot be aborted in time, this process
@@ -112,7 +110,7 @@ class ReconfigurableGroup(dist.ProcessGroup):
         try:
             self.abort()
         except AbortHung as exc:
-            print(f"{exc}; leaving the job so that a spare takes rank {self._rank}", file=sys.stderr, flush=True)
+            print(f"{exc}; leaving the job so that a spare takes rank {self.rank}", file=sys.stderr, flush=True)
             os._exit(1)
         result: Future = Future()
         # Its own connection: a rendezvous abandoned for a newer roster may block in the store for long,
@@ -129,7 +127,7 @@ class ReconfigurableGroup(dist.ProcessGroup):
             except Exception as exc:  # handed over to the waiting thread
                 result.set_exception(exc)
 
-        self.gen, self._rank, self._failure = generation, rank, None
+        self.gen, self.rank, self._failure = generation, rank, None
         threading.Thread(target=build, name=f"torchpass-connect-{self.name}-{generation}", daemon=True).start()
         self._groups = self._wait_future(result, f"connect generation {generation}")
 
@@ -169,9 +167,7 @@ class ReconfigurableGroup(dist.ProcessGroup):
 
     # -- torch.distributed.ProcessGroup: issue on the current generation, return its Work ---------------
     def _group_for(self, tensors: list[torch.Tensor]) -> dist.ProcessGroup:
-        why = self.errored()
-        if why is not None:
-            raise PeerFailure(why)
+        self.check()
         device = tensors[0].device.type if tensors else "cpu"
         return self._groups.get(device, self._groups["cpu"])  # gloo carries CUDA tensors where NCCL is not used
 
@@ -315,7 +311,7 @@ class ReconfigurableGroup(dist.ProcessGroup):
         it takes (``prepare_data`` downloading a data set): a mark per rank in the job's store, polled, and
         escaped like every wait when a newer roster replaces this group."""
         store, prefix = self.member.store, f"torchpass/wait_for_all/{self.gen}/{name}/"
-        store.set(f"{prefix}{self._rank}", b"1")
+        store.set(f"{prefix}{self.rank}", b"1")
         marks = [f"{prefix}{r}" for r in range(self.world_size)]
         while not store.check(marks):
             if self.stale():

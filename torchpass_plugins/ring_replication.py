@@ -171,8 +171,7 @@ class RingReplicator:
         side = self.side
         succ, pred = (side.rank + 1) % side.world_size, (side.rank - 1) % side.world_size
         try:
-            if (why := side.errored()) is not None:
-                raise PeerFailure(why)
+            side.check()
             where = self._segments[-1].id.to_list() if mine.payload.numel() else [-1] * 4  # just written
             header, rest = frame([step, mine.meta.numel(), mine.payload.numel(), *where], mine.meta)
             theirs = torch.empty_like(header)

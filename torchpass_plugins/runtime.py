@@ -280,8 +280,7 @@ class Runtime:
             if self._behind(pos):
                 return self._replayed(pos, skipped)
             try:
-                if (why := self.transport.errored()) is not None:
-                    raise PeerFailure(why)
+                self.transport.check()
                 result = fn(self.transport)
             except PeerFailure as exc:
                 self._recover(pos, reduced=False, cause=str(exc))
@@ -315,8 +314,7 @@ class Runtime:
         while True:
             reduced = False
             try:
-                if (why := self.transport.errored()) is not None:
-                    raise PeerFailure(why)
+                self.transport.check()
                 buckets.complete(self.transport, issued=lambda: faults.point("reduce"))
                 reduced = True
                 if self.rank_state is not None:  # before the vote: a finished vote implies every copy is made

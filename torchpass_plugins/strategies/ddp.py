@@ -29,7 +29,7 @@ from typing_extensions import override
 
 from torchpass_plugins import default_group, faults
 from torchpass_plugins._compat.lightning import apply_layer_sync, refuse_unsupported, wait_in_prepare_data
-from torchpass_plugins.backends import communicate_on
+from torchpass_plugins.backends import communicate_on, slot_gpu
 from torchpass_plugins.buffer_sync import BufferSync
 from torchpass_plugins.callback import TorchPassCallback
 from torchpass_plugins.default_group import RetryingGroup
@@ -87,7 +87,7 @@ class TorchPassDDPStrategy(ParallelStrategy):
     @override
     def root_device(self) -> torch.device:
         if self.parallel_devices and self.parallel_devices[0].type == "cuda":
-            return torch.device("cuda", self.local_rank % torch.cuda.device_count())
+            return slot_gpu(self.local_rank)
         return torch.device("cpu")
 
     @property
