@@ -133,6 +133,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--strategy", choices=("torchpass_ddp", "torchpass_fsdp", "ddp", "fsdp2"), required=True)
     p.add_argument("--replicate-every", type=int, default=1, help="torchpass_fsdp: ring replica interval (0: off)")
     p.add_argument("--devices", type=int, default=3)
+    p.add_argument("--accelerator", choices=("cpu", "gpu"), default="cpu", help="gpu: one GPU per rank, NCCL")
     add_run_args(p)
     p.add_argument("--ckpt-every", type=int, default=0, help="ModelCheckpoint every N steps + last.ckpt (0: off)")
     p.add_argument("--snapshot-dir", default=None, help="torchpass: background snapshots to this URL")
@@ -180,7 +181,7 @@ def main(argv: list[str] | None = None) -> None:
     loader = DataLoader(make_dataset(samples, args.features, args.classes, args.seed), batch_size=args.batch_size,
                         shuffle=True)
     trainer = L.Trainer(
-        accelerator="cpu",
+        accelerator=args.accelerator,
         strategy=strategy,
         devices=args.devices,
         max_steps=args.max_steps,

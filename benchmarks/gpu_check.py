@@ -10,11 +10,12 @@ compares every logical rank's full state at the end with a failure-free run of t
 - (c) NVML readings of the real GPU through the health source the agents use.
 - (d) snapshot stall with CUDA tensors: what the loop waits for a background snapshot (device -> pinned
   host copies), beside how long writing that snapshot takes (what a synchronous save waits for), in one job.
-- (e) not written yet: with two or more GPUs, the NCCL kill/hang matrix with survivors, the abort deadline,
-  the communicator rebuild time, state transfer against raw NCCL, step time against ``ddp`` and FSDP2.
+- (e) with two or more GPUs (``gpu_nccl.py``): the NCCL kill/hang matrix with a survivor, a new
+  generation's cost, an abort with a collective stuck on an absent peer (against the abort deadline),
+  state to a spare against raw NCCL sends, step time against ``ddp`` and FSDP2.
 
-What it does not cover: NCCL with survivors (one GPU runs one NCCL rank), ``torchpass_fsdp``,
-``TorchPass`` (Accelerate), ``SyncBatchNorm`` and ``16-mixed`` on a GPU.
+What it does not cover: ``torchpass_fsdp`` recoveries, ``TorchPass`` (Accelerate), ``SyncBatchNorm`` and
+``16-mixed`` on a GPU; with one GPU, NCCL with survivors (one GPU runs one NCCL rank).
 
 It prints one table and writes it to ``docs/gpu.md`` (section ``gpu-check``). Run
 ``python benchmarks/gpu_check.py`` on the GPU machine; nothing it reports is measured anywhere else.
@@ -31,6 +32,7 @@ import time
 import traceback
 from pathlib import Path
 
+import gpu_nccl
 import torch
 from _harness import REPO, command_line, machine, machine_lines, update_section
 
@@ -109,11 +111,21 @@ def snapshot_stall() -> list[str]:
             f"stall / write = {stall / write:.3f}"]
 
 
+def nccl_with_survivors() -> list[str]:
+    on_cpu, count = GPU[1] == "cpu", torch.cuda.device_count()
+    if not on_cpu and count < 2:
+        return [f"(e) NCCL with survivors | not run: it needs 2 or more GPUs, this machine has {count}"]
+    rows = gpu_nccl.kill_hang_matrix(WORK, count, on_cpu, _job, _compare)
+    rows += gpu_nccl.group_mechanics(WORK / "e-mechanics", on_cpu, megabytes=16 if on_cpu else 256)
+    return rows if on_cpu else rows + gpu_nccl.step_times(WORK)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--doc", type=Path, default=DOC)
     p.add_argument("--on-cpu", action="store_true",
-                   help="check this script on a machine without a GPU: parts (a), (b), (d) on CPU tensors over gloo, "
+                   help="check this script on a machine without a GPU: parts (a), (b), (d) and the first case "
+                        "and the group mechanics of (e) on CPU tensors over gloo, "
                         "written to benchmarks/out/gpu-check-on-cpu.md (no GPU figures)")
     ns = p.parse_args(argv)
     doc = ns.doc
@@ -128,7 +140,8 @@ def main(argv: list[str] | None = None) -> int:
     info = machine()
     count = torch.cuda.device_count()
     rows, failures = [], []
-    parts = [shared_gpu_over_gloo, nccl_restart_on_a_new_communicator, nvml_readings, snapshot_stall]
+    parts = [shared_gpu_over_gloo, nccl_restart_on_a_new_communicator, nvml_readings, snapshot_stall,
+             nccl_with_survivors]
     if ns.on_cpu:
         parts.remove(nvml_readings)
     for part in parts:
@@ -140,8 +153,6 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(f"{part.__name__} | FAILED: {type(exc).__name__}: {str(exc).splitlines()[0][:300]}")
             traceback.print_exc()
         print(f"[gpu_check] {part.__name__}: {time.perf_counter() - t0:.0f} s", flush=True)
-    rows.append(f"(e) NCCL kill/hang matrix with survivors, abort deadline, communicator rebuild, step time vs ddp "
-                f"and FSDP2 | not written yet (needs 2 or more GPUs; this machine has {count})")
     gpu = "none (run on CPU tensors, to check the script)" if ns.on_cpu else (
         f"{count} x {torch.cuda.get_device_name(0)}; CUDA {torch.version.cuda}; "
         f"NCCL {'.'.join(map(str, torch.cuda.nccl.version()))}")

@@ -86,10 +86,12 @@ class Result:
     steps_timed: int
 
 
-def run_once(size: Size, strategy: str, ranks: int, work: Path, rep: int) -> Result:
+def run_once(size: Size, strategy: str, ranks: int, work: Path, rep: int,
+             extra: tuple[str, ...] = ("--pin",)) -> Result:
+    """One timed run; ``extra``: more ``bench_train.py`` flags (by default each worker pinned to a core)."""
     out = work / "out"
     args = ["--strategy", strategy, "--devices", str(ranks), "--max-steps", str(size.steps), "--accumulate", "1",
-            "--pin", *size.model_args(), "--out", str(out)]
+            *extra, *size.model_args(), "--out", str(out)]
     cmd = torchpass_cmd(ranks, 0, work / "run", args) if strategy.startswith("torchpass") else torchrun_cmd(ranks, args)
     code = run_bounded(cmd, worker_env(steady=True), size.timeout_s, work / "launcher.log")
     if code != 0:

@@ -2,7 +2,8 @@
 ``LightningDataModule`` with ``prepare_data``, augmenting loader workers, BatchNorm, two parameter groups,
 two LR schedulers, torchmetrics and ``sync_dist`` values per step and per epoch, gradient clipping,
 accumulation of 4, validation every 12 batches with ``ModelCheckpoint`` and ``EarlyStopping``, 3 epochs),
-under both strategies in ``bf16-mixed`` (``32-true`` is the other suites' precision). A SIGKILL between
+under both strategies in ``bf16-mixed`` and ``16-mixed`` (with a loss scaler, whose state is part of
+the rank's; ``32-true`` is the other suites' precision). A SIGKILL between
 micro-batches of a later epoch, of rank 0 as well as of another rank, must leave every rank's full state
 (callbacks' included) equal to the failure-free run's, bit for bit."""
 
@@ -22,6 +23,8 @@ DDP_BF16 = ("--strategy", "torchpass_ddp", "--precision", "bf16-mixed", "--persi
 FSDP_BF16 = ("--strategy", "torchpass_fsdp", "--precision", "bf16-mixed", "--stateful-loader")
 DDP_SYNC_BN = ("--strategy", "torchpass_ddp", "--sync-batchnorm")
 FSDP_SYNC_BN = ("--strategy", "torchpass_fsdp", "--sync-batchnorm")
+DDP_FP16 = ("--strategy", "torchpass_ddp", "--precision", "16-mixed")  # a GradScaler, on CPU too
+FSDP_FP16 = ("--strategy", "torchpass_fsdp", "--precision", "16-mixed")
 pytestmark = pytest.mark.timeout(400)
 
 
@@ -48,8 +51,11 @@ def failure_free(tmp_path_factory):
         # inside a SyncBatchNorm collective: the default group's 6th operation of the step (backward, micro 2)
         (DDP_SYNC_BN, "kill@rank=0,step=8,phase=collective,micro=5"),
         (FSDP_SYNC_BN, "kill@rank=2,step=9,phase=collective,micro=2"),
+        (DDP_FP16, "kill@rank=0,step=8,phase=backward,micro=1"),
+        (FSDP_FP16, "kill@rank=2,step=9,phase=data,micro=2"),
     ],
-    ids=["ddp-bf16-rank0", "fsdp-bf16-rank1", "ddp-syncbn-rank0", "fsdp-syncbn-rank2"],
+    ids=["ddp-bf16-rank0", "fsdp-bf16-rank1", "ddp-syncbn-rank0", "fsdp-syncbn-rank2", "ddp-fp16-rank0",
+         "fsdp-fp16-rank2"],
 )
 def test_a_kill_between_micro_batches_of_a_later_epoch_is_bit_exact_on_every_rank(tmp_path, failure_free, args, fault):
     expected = failure_free(args)

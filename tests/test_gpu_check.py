@@ -1,4 +1,5 @@
-"""The prepared GPU check keeps working where no GPU is: its job parts run on CPU tensors over gloo."""
+"""The prepared GPU check keeps working where no GPU is: its job parts and the two-process group mechanics run on
+CPU tensors over gloo."""
 
 from __future__ import annotations
 
@@ -20,3 +21,8 @@ def test_the_gpu_check_runs_its_parts_on_cpu_tensors():
     assert "bit-exact on every rank" in rows["| (b) 1 rank + 1 spare, NCCL"]
     assert "restarts from a snapshot: 1; every step applied: yes" in rows["| (b) 1 rank + 1 spare, NCCL"]
     assert "stall / write = " in rows[next(k for k in rows if k.startswith("| (d)"))]
+    kill = rows["| (e) NCCL, 2 ranks + 1 spare: kill rank 0 in backward"]
+    assert "bit-exact on every rank; every step applied once on every rank: yes" in kill and "restarts: 0" in kill
+    abort = rows[next(k for k in rows if "abort with a collective stuck" in k)]
+    assert "still pending: yes" in abort and "the next generation works: yes" in abort
+    assert "received bit-exact: yes" in rows[next(k for k in rows if k.startswith("| (e) state to a spare"))]

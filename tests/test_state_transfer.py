@@ -9,6 +9,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from torchpass_plugins.host_copy import to_host
 from torchpass_plugins.state_transfer import Landing, pack, recv_state, send_state, unpack
 
 
@@ -110,3 +111,14 @@ def test_large_tensors_land_in_the_tensors_prepared_for_them():
     received, _, _ = _transfer({**state, "extra": extra}, landing)
     _assert_same(received, {**state, "extra": extra})
     assert landing.nbytes == 0  # every prepared tensor was received into
+
+
+def test_host_copies_leave_cpu_tensors_in_place_unless_a_snapshot_asks_for_copies():
+    a, b = torch.arange(6.0).reshape(2, 3), torch.ones(4, dtype=torch.int64)
+    assert [t.data_ptr() for t in to_host([a, b])] == [a.data_ptr(), b.data_ptr()]  # sent from where they are
+    reused = torch.empty(2, 3)
+    copies = to_host([a, b], [reused, torch.empty(5, dtype=torch.int64)], copy=True)
+    assert copies[0] is reused and copies[1].data_ptr() != b.data_ptr()  # the mismatched one is new memory
+    a.add_(1), b.add_(1)  # training goes on: the snapshot's copies keep the values they had
+    assert torch.equal(copies[0], torch.arange(6.0).reshape(2, 3))
+    assert torch.equal(copies[1], torch.ones(4, dtype=torch.int64))

@@ -21,8 +21,9 @@ import torch
 
 from torchpass_plugins import faults
 from torchpass_plugins.events import EventLog
+from torchpass_plugins.host_copy import to_host
 from torchpass_plugins.snapshot_store import SnapshotStore
-from torchpass_plugins.tree import map_leaves
+from torchpass_plugins.tree import map_leaves, tensors_in
 
 log = logging.getLogger(__name__)
 
@@ -32,17 +33,6 @@ WhenBusy = Literal["skip", "wait"]
 @dataclass(frozen=True)
 class _Deferred:
     index: int  # into the list of tensors the background thread copies
-
-
-def _host_copy(t: torch.Tensor, into: torch.Tensor | None = None) -> torch.Tensor:
-    """Copy ``t`` to host memory (pinned for CUDA tensors), into ``into`` when it fits."""
-    t = t.detach()
-    if into is None or into.shape != t.shape or into.dtype != t.dtype:
-        into = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda)
-    into.copy_(t, non_blocking=t.is_cuda)
-    if t.is_cuda:
-        torch.cuda.current_stream(t.device).synchronize()
-    return into
 
 
 @dataclass
@@ -88,6 +78,8 @@ class AsyncSnapshotWriter:
             self.events.emit("snapshot_waited", rank=self.plan.rank, step=step, seconds=time.perf_counter() - t0)
         t0 = time.perf_counter()
         deferred: list[torch.Tensor] = []
+        now = iter(to_host([t for t in tensors_in(state) if t.data_ptr() not in stable], copy=True)
+                   if self.plan.writes else ())
 
         def stage(leaf: Any) -> Any:
             if not isinstance(leaf, torch.Tensor):
@@ -95,7 +87,7 @@ class AsyncSnapshotWriter:
             if leaf.data_ptr() in stable:
                 deferred.append(leaf)
                 return _Deferred(len(deferred) - 1)
-            return _host_copy(leaf)
+            return next(now)
 
         staged = map_leaves(state, stage) if self.plan.writes else None
         self._staged = threading.Event()
@@ -118,8 +110,7 @@ class AsyncSnapshotWriter:
     def _run(self, step: int, staged: Any, deferred: list[torch.Tensor], t0: float) -> None:
         plan = self.plan
         try:
-            staging = self._staging + [None] * (len(deferred) - len(self._staging))
-            copies = self._staging = [_host_copy(t, into) for t, into in zip(deferred, staging, strict=False)]
+            copies = self._staging = to_host(deferred, self._staging, copy=True)
             self._staged.set()
             faults.point("snapshot")
             if plan.writes:

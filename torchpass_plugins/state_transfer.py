@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from torchpass_plugins.host_copy import to_host
 from torchpass_plugins.process_group import ReconfigurableGroup
 from torchpass_plugins.tree import map_leaves, tensors_in
 
@@ -97,12 +98,13 @@ def _strip(state: Any) -> tuple[Any, list[tuple[_TensorRef, torch.Tensor]], int]
     """The skeleton, every tensor (with its place, as flat bytes) in leaf order, and the payload size."""
     tensors: list[tuple[_TensorRef, torch.Tensor]] = []
     offset = 0
+    on_host = iter(to_host(tensors_in(state)))  # device tensors: all copied at once, off the training stream
 
     def ref(obj: Any) -> Any:
         nonlocal offset
         if not isinstance(obj, torch.Tensor):
             return obj
-        flat = _flat_bytes(obj)
+        flat = _flat_bytes(next(on_host))
         r = _TensorRef(offset, flat.numel(), obj.dtype, tuple(obj.shape), obj.requires_grad)
         tensors.append((r, flat))
         offset += -(-flat.numel() // _ALIGN) * _ALIGN
@@ -113,10 +115,10 @@ def _strip(state: Any) -> tuple[Any, list[tuple[_TensorRef, torch.Tensor]], int]
 
 
 def _flat_bytes(t: torch.Tensor) -> torch.Tensor:
-    """``t``'s bytes as a flat uint8 tensor: a view where ``t`` is a contiguous CPU tensor (the usual case,
-    so each call stays a few attribute reads: a replication round makes one per state tensor)."""
-    if t.device.type != "cpu" or not t.is_contiguous():
-        t = t.detach().cpu().contiguous()
+    """The bytes of ``t`` (a CPU tensor) as a flat uint8 tensor: a view where ``t`` is contiguous (the usual
+    case, so each call stays a few attribute reads: a replication round makes one per state tensor)."""
+    if not t.is_contiguous():
+        t = t.detach().contiguous()
     return t.detach().view(-1).view(torch.uint8) if t.requires_grad else t.view(-1).view(torch.uint8)
 
 

@@ -21,7 +21,7 @@ from torch.utils.data import DataLoader, Dataset, TensorDataset
 from torchmetrics.classification import MulticlassAccuracy
 
 from torchpass_plugins import TorchPassCallback, TorchPassFSDPStrategy
-from torchpass_plugins.demo.train import rank_state
+from torchpass_plugins.demo.train import precision_arguments, rank_state
 
 
 class Noisy(Dataset):
@@ -137,7 +137,7 @@ def main() -> None:
     if strategy == "torchpass_fsdp":
         strategy = TorchPassFSDPStrategy(auto_wrap_policy={nn.Linear})
     trainer = L.Trainer(
-        accelerator="cpu", strategy=strategy, devices=args.devices, precision=args.precision,
+        accelerator="cpu", strategy=strategy, devices=args.devices, **precision_arguments(args.precision, "cpu"),
         max_epochs=args.epochs, accumulate_grad_batches=args.accumulate, gradient_clip_val=0.5,
         val_check_interval=12, num_sanity_val_steps=0, logger=False, enable_progress_bar=False,
         enable_model_summary=False, sync_batchnorm=args.sync_batchnorm,

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import lightning as L
 import torch
+from lightning.pytorch.plugins import MixedPrecision
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, Dataset, TensorDataset
@@ -114,7 +115,16 @@ def rank_state(trainer: L.Trainer, model: L.LightningModule) -> dict:
         "metric_states": {name: dict(m.metric_state) for name, m in model.named_modules() if isinstance(m, Metric)},
         "callback_metrics": dict(trainer.callback_metrics),
         "rng": torch.get_rng_state(),
+        "precision": trainer.precision_plugin.state_dict(),  # the loss scaler's scale and growth tracker
     })
+
+
+def precision_arguments(precision: str, accelerator: str) -> dict:
+    """Trainer arguments for ``precision``: on CPU, Lightning's 16-mixed runs without a loss scaler, so the
+    demo gives it one explicitly (its state must move to a spare with the rest, as on a GPU)."""
+    if precision == "16-mixed" and accelerator == "cpu":
+        return {"plugins": [MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))]}
+    return {"precision": precision}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -141,6 +151,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--process-group-backend", choices=["gloo", "nccl"], default=None,
                    help="for CUDA tensors (default nccl; gloo lets several ranks share one GPU)")
     p.add_argument("--deterministic", action="store_true", help="Trainer(deterministic=True): bit-exact on a GPU")
+    p.add_argument("--precision", choices=["32-true", "bf16-mixed", "16-mixed"], default="32-true",
+                   help="16-mixed scales the loss with a GradScaler (on CPU too)")
     p.add_argument("--replicate-every", type=int, default=1, help="torchpass_fsdp: ring replica refresh interval")
     p.add_argument("--freeze-first", action="store_true", help="freeze the first layer (a frozen backbone)")
     p.add_argument("--model-aware", action="store_true", help="torchpass_fsdp: move only trainable state")
@@ -175,6 +187,7 @@ def main(argv: list[str] | None = None) -> None:
     trainer = L.Trainer(
         accelerator=args.accelerator,
         deterministic=args.deterministic or None,
+        **precision_arguments(args.precision, args.accelerator),
         strategy=strategy,
         devices=args.devices,
         num_nodes=args.num_nodes,
