@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from torchpass_plugins.membership import JobAborted
-from torchpass_plugins.runtime import Agreement, MemberState
+from torchpass_plugins.replicated_recovery import Agreement, MemberState
 
 SPARE = MemberState(spare=True, position=(-1, -1), applied=-1, last_boundary=-1, reduced=False, voted=False)
 

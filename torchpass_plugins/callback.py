@@ -12,6 +12,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
+from torchpass_plugins._compat.lightning import restoring_a_checkpoint
 from torchpass_plugins.errors import ConfigError
 from torchpass_plugins.events import EventLog
 from torchpass_plugins.snapshot_store import Manifest, SnapshotStore, model_fingerprint
@@ -85,7 +86,7 @@ class TorchPassCallback(Callback):
         store = SnapshotStore(self.snapshot_dir, self.snapshot_storage_options)
         writers = strategy.snapshot_writers()
         model = model_fingerprint(pl_module)
-        if not trainer._checkpoint_connector._loaded_checkpoint and trainer.ckpt_path is None:
+        if not restoring_a_checkpoint(trainer):
             self._resume(trainer, store, writers, model)
         plan = SnapshotPlan(store, strategy.global_rank, strategy.world_size, writers, seed=self.runtime.seed,
                             keep=self.snapshot_keep, when_busy=self.snapshot_when_busy,

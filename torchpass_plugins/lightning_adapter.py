@@ -15,9 +15,11 @@ from torch.utils.data import BatchSampler, IterableDataset
 from torchpass_plugins import faults
 from torchpass_plugins._compat.lightning import (
     drop_loader_positions,
+    dump_checkpoint,
     load_rank_local_state,
     rank_local_state,
     replayed_batch_end,
+    restore_at_fit_start,
     users_sampler,
 )
 from torchpass_plugins.errors import ConfigError
@@ -68,7 +70,7 @@ class LightningAdapter:
         return self.trainer.fit_loop.state_dict()  # built afresh from the progress objects: a snapshot
 
     def boundary_state(self, snapshot: Any) -> Any:
-        checkpoint = self.trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+        checkpoint = dump_checkpoint(self.trainer)
         if snapshot is not None:
             checkpoint["loops"]["fit_loop"] = snapshot
         sync = self.strategy.runtime.buffer_sync
@@ -94,7 +96,7 @@ class LightningAdapter:
     def load_state(self, checkpoint: Any) -> None:
         # ``fit(ckpt_path=None)`` leaves this in place, so Lightning restores model, optimizers,
         # schedulers, callbacks and loops from it exactly as from a checkpoint file.
-        self.trainer._checkpoint_connector._loaded_checkpoint = checkpoint
+        restore_at_fit_start(self.trainer, checkpoint)
         self.resume_data_from(checkpoint)
 
     def resume_data_from(self, checkpoint: dict) -> None:

@@ -17,7 +17,6 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
@@ -37,13 +36,13 @@ from torchpass_plugins.membership import (
     JobAborted,
     JoinRejected,
     Member,
-    Unrecoverable,
     WorkerEnv,
     lost_after_the_step,
     reached_key,
 )
 from torchpass_plugins.process_group import PeerFailure, ReconfigurableGroup
 from torchpass_plugins.rank_state import RankStateRing
+from torchpass_plugins.replicated_recovery import Agreement, MemberState
 from torchpass_plugins.state_transfer import Landing, recv_state, send_state
 from torchpass_plugins.stragglers import StepTimer, stragglers
 
@@ -87,74 +86,27 @@ class Adapter(Protocol):
         """Spare side: adopt the lost rank's :meth:`rank_state`, at the first step boundary."""
 
 
-@dataclass(frozen=True)
-class MemberState:
-    """What one member reports when a new group is built: one row of the agreement."""
+class RecoveryPlan(Protocol):
+    """How one strategy recovers, run by :meth:`Runtime.recover` in each new generation until it succeeds."""
 
-    spare: bool
-    position: tuple[int, int]
-    applied: int  # optimizer steps applied (-1 for a spare)
-    last_boundary: int
-    reduced: bool  # holds the reduced gradient of its pending step (reduction finished, step not applied)
-    voted: bool  # finished the commit vote of its pending step: it applies that step whatever happens
+    def prepare(self) -> None:
+        """Before the new generation's groups are built: end work still bound to the old ones."""
 
-    def to_tensor(self) -> torch.Tensor:
-        row = [int(self.spare), *self.position, self.applied, self.last_boundary, int(self.reduced), int(self.voted)]
-        return torch.tensor(row, dtype=torch.int64)
+    def row(self) -> torch.Tensor:
+        """This member's row of the agreement (one int64 tensor, the same shape on every member)."""
 
-    @classmethod
-    def from_tensor(cls, t: torch.Tensor) -> MemberState:
-        spare, step, count, applied, last_boundary, reduced, voted = t.tolist()
-        return cls(bool(spare), (step, count), applied, last_boundary, bool(reduced), bool(voted))
+    def decide(self, rows: list[torch.Tensor]) -> Any:
+        """The decision every member derives from the same rows (pure)."""
 
+    def describe(self, decision: Any) -> dict[str, Any]:
+        """The decision's fields for the ``transport_rebuilt`` event."""
 
-@dataclass(frozen=True)
-class Agreement:
-    """The decision every member derives from the same rows."""
+    def exchange(self, decision: Any) -> None:
+        """Move state between members as decided (``PeerFailure``: the loop starts over)."""
 
-    committed: frozenset[int]  # ranks whose pending step is committed: they apply it, then go on
-    entry_step: int
-    target: tuple[int, int]
-    donor: int
-    immediate: bool
-    spares: list[int]
-    source: int = -1  # the survivor furthest ahead: it holds the results every member behind is missing
-    replay: dict[int, tuple[Position, Position]] | None = None  # member -> [start, stop) of the results it gets
-
-    @classmethod
-    def decide(cls, rows: list[MemberState]) -> Agreement:
-        """Commit rule: the pending step of the survivors that are behind (fewest applied steps) is
-        committed iff some survivor finished its commit vote (it applies the step, or already did).
-
-        A rank enters the vote only after its reduction finished, so a finished vote means every rank
-        holds the reduced gradient and all behind can apply it. If no survivor finished the vote, no
-        survivor applies the step: all retry it (a dead rank that applied it took that state with it).
-        Survivors are never two steps apart: applying a step needs every rank's reduction of it.
-        """
-        survivors = {r: row for r, row in enumerate(rows) if not row.spare}
-        if not survivors:
-            raise Unrecoverable("torchpass: every rank lost its state at once; resume from a snapshot")
-        behind = min(row.applied for row in survivors.values())
-        pending = [r for r, row in survivors.items() if row.applied == behind]
-        committed = frozenset()
-        if any(row.voted or row.applied > behind for row in survivors.values()):
-            committed = frozenset(r for r in pending if not survivors[r].voted)
-            if not all(survivors[r].reduced for r in committed):
-                raise AssertionError(f"torchpass: a step was voted on before every rank reduced it: {rows}")
-        applied = {r: row.applied + (r in committed or row.voted) for r, row in survivors.items()}
-        entry = max(applied.values())
-        target = max([(row.position[0], row.position[1] + (r in committed)) for r, row in survivors.items()])
-        target = max(target, (entry, 0))
-        ready = [r for r, row in survivors.items() if row.applied == entry and row.last_boundary == entry]
-        donor = ready[0] if ready else min(survivors)
-        # Results of collectives the furthest member completed and others did not (a spare replays from
-        # the entry boundary; the collectives of the steps before it are superseded by the state it gets).
-        ahead = max(row.position for row in survivors.values())
-        source = min(r for r, row in survivors.items() if row.position == ahead)
-        starts = {r: (entry, 0) if row.spare else row.position for r, row in enumerate(rows)}
-        replay = {r: (start, ahead) for r, start in starts.items() if start < ahead}
-        spares = [r for r, row in enumerate(rows) if row.spare]
-        return cls(committed, entry, target, donor, bool(ready), spares, source, replay)
+    def finish(self, decision: Any) -> tuple[Any, dict[str, Any]]:
+        """Apply the decision locally, once the exchange succeeded: (what ``recover`` returns, the fields of
+        the ``recovered`` event)."""
 
 
 class Runtime:
@@ -399,48 +351,37 @@ class Runtime:
             self.events.emit("state_sent", rank=self.rank, to=dst, bytes=nbytes, seconds=time.perf_counter() - t0)
 
     # -- recovery ----------------------------------------------------------------------------------------
-    def _recover(self, pos: tuple[int, int], reduced: bool, cause: str = "") -> bool:
-        """Rebuild the group of the newest roster and agree how to go on; returns whether this rank's
-        completed (``reduced``) gradient reduction is committed."""
+    def recover(self, plan: RecoveryPlan, cause: str) -> Any:
+        """The recovery loop, one for every strategy: join the newest roster's group, gather every
+        member's row, derive the plan's decision, exchange state; a failure meanwhile starts over with
+        the roster after it. Then the plan applies the decision locally; returns what it returns."""
         t0 = time.perf_counter()
         while True:
             self.report_stall(cause)
             gen = self.next_roster()
+            plan.prepare()
             try:
                 t_connect = time.perf_counter()
-                self.transport.configure(gen, self.rank)
+                for group in (self.transport, *self.side_transports):
+                    group.configure(gen, self.rank)
                 connect_s = time.perf_counter() - t_connect
                 if not self.is_spare:
                     faults.point("survivor")
-                agreement = self._agree(pos, reduced)
-                self.events.emit(
-                    "transport_rebuilt",
-                    rank=self.rank,
-                    gen=gen,
-                    seconds=connect_s,
-                    cause=cause,
-                    position=list(pos),
-                    committed=self.rank in agreement.committed,
-                    target=list(agreement.target),
-                    entry_step=agreement.entry_step,
-                    spares=agreement.spares,
-                    donor=agreement.donor,
-                )
-                self._replay_results(agreement)
-                self._hand_over(agreement)
+                decision = plan.decide(self.transport.all_gather(plan.row()))
+                self.events.emit("transport_rebuilt", rank=self.rank, gen=gen, seconds=connect_s, cause=cause,
+                                 **plan.describe(decision))
+                plan.exchange(decision)
             except PeerFailure as exc:
                 cause = str(exc)
                 continue
-            self.target = agreement.target
-            self.timer.discard()
-            self.events.emit(
-                "recovered",
-                rank=self.rank,
-                gen=gen,
-                seconds=time.perf_counter() - t0,
-                retries_collective=pos >= agreement.target,
-            )
-            return self.rank in agreement.committed
+            result, outcome = plan.finish(decision)
+            self.events.emit("recovered", rank=self.rank, gen=gen, cause=cause, seconds=time.perf_counter() - t0,
+                             **outcome)
+            return result
+
+    def _recover(self, pos: tuple[int, int], reduced: bool, cause: str = "") -> bool:
+        """Recover at ``pos``; returns whether this rank's completed (``reduced``) reduction is committed."""
+        return self.recover(_ReplicatedPlan(self, pos, reduced), cause)
 
     def report_stall(self, cause: str) -> None:
         """Tell the coordinator, once per generation, that this rank's group failed with no newer roster in
@@ -463,12 +404,6 @@ class Runtime:
             self.events.emit("job_aborted", rank=self.rank, message=roster.abort, applied=self._applied())
             raise JobAborted(roster.abort)
         return gen
-
-    def _agree(self, pos: tuple[int, int], reduced: bool) -> Agreement:
-        applied = -1 if self.is_spare else self.adapter.applied_steps()
-        voted = applied >= 0 and self._voted == applied
-        mine = MemberState(self.is_spare, pos, applied, self.last_boundary, reduced or voted, voted)
-        return Agreement.decide([MemberState.from_tensor(t) for t in self.transport.all_gather(mine.to_tensor())])
 
     def _replay_results(self, a: Agreement) -> None:
         """The member furthest ahead sends every member behind the results it completed and they did not."""
@@ -638,3 +573,36 @@ class Runtime:
             t.close()
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+class _ReplicatedPlan:
+    """The recovery plan of the replicated strategies: rows are :class:`MemberState`, the decision an
+    :class:`Agreement`; the exchange replays missed results and hands the whole state to each spare."""
+
+    def __init__(self, rt: Runtime, pos: tuple[int, int], reduced: bool) -> None:
+        self.rt, self.pos, self.reduced = rt, pos, reduced
+
+    def prepare(self) -> None:
+        pass
+
+    def row(self) -> torch.Tensor:
+        rt = self.rt
+        applied = -1 if rt.is_spare else rt.adapter.applied_steps()
+        voted = applied >= 0 and rt._voted == applied
+        return MemberState(rt.is_spare, self.pos, applied, rt.last_boundary, self.reduced or voted, voted).to_tensor()
+
+    def decide(self, rows: list[torch.Tensor]) -> Agreement:
+        return Agreement.decide([MemberState.from_tensor(t) for t in rows])
+
+    def describe(self, a: Agreement) -> dict[str, Any]:
+        return {"position": list(self.pos), "committed": self.rt.rank in a.committed, "target": list(a.target),
+                "entry_step": a.entry_step, "spares": a.spares, "donor": a.donor}
+
+    def exchange(self, a: Agreement) -> None:
+        self.rt._replay_results(a)
+        self.rt._hand_over(a)
+
+    def finish(self, a: Agreement) -> tuple[bool, dict[str, Any]]:
+        self.rt.target = a.target
+        self.rt.timer.discard()
+        return self.rt.rank in a.committed, {"retries_collective": self.pos >= a.target}

@@ -5,14 +5,12 @@ Fully sharded ranks cannot retry a single collective after a failure (a spare wo
 repeat the earlier all-gathers of the step), so the whole step is discarded before the optimizer applies
 it and run again from its boundary, or from an older one after an in-memory rollback. The epoch loop is
 given a :class:`ReplayFetcher` that records the batches handed out since the oldest step a rollback may
-return to; :func:`rewind_loops` puts the progress counters back to a boundary's snapshot.
+return to; (``_compat.lightning.rewind_loops`` puts the progress counters back to a boundary's snapshot.)
 """
 
 from __future__ import annotations
 
 from typing import Any
-
-from lightning.pytorch.loops.loop import _Loop
 
 from torchpass_plugins.membership import Unrecoverable
 
@@ -80,16 +78,3 @@ class ReplayFetcher:
             )
         self._cursor = next((i for i, entry in enumerate(self._log) if entry[0] >= step), len(self._log))
         self._replayed_done = None
-
-
-def rewind_loops(fit_loop: _Loop, snapshot: dict) -> None:
-    """Put every progress counter of the fit loop back to ``snapshot`` (``fit_loop.state_dict()``), without
-    the restart mode that ``load_state_dict`` would switch on."""
-
-    def visit(loop: _Loop, prefix: str) -> None:
-        loop._load_from_state_dict(snapshot, prefix)
-        for name, child in vars(loop).items():
-            if isinstance(child, _Loop):
-                visit(child, f"{prefix}{name}.")
-
-    visit(fit_loop, "")

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from lightning.pytorch.loops.loop import _Loop
 from lightning.pytorch.plugins import TorchSyncBatchNorm
 from lightning.pytorch.trainer.connectors import data_connector
 from lightning.pytorch.trainer.connectors.logger_connector.result import _Metadata, _ResultMetric, _Sync
@@ -207,3 +208,32 @@ def wait_in_prepare_data(trainer: Any, wait: Callable[[str], None]) -> None:
             data_connector._InfiniteBarrier = original
 
     connector.prepare_data = prepare_data
+
+
+def dump_checkpoint(trainer: Any) -> dict[str, Any]:
+    """Lightning's whole checkpoint as a dict in memory (``Trainer.save_checkpoint`` only writes a file)."""
+    return trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+
+
+def restore_at_fit_start(trainer: Any, checkpoint: dict[str, Any]) -> None:
+    """Have ``fit`` restore ``checkpoint`` as if it had been read from ``ckpt_path`` (model, optimizers,
+    loops, callbacks: Lightning's own restore path, in memory)."""
+    trainer._checkpoint_connector._loaded_checkpoint = checkpoint
+
+
+def restoring_a_checkpoint(trainer: Any) -> bool:
+    """Whether ``fit`` is about to restore a checkpoint (handed over in memory, or from ``ckpt_path``)."""
+    return bool(trainer._checkpoint_connector._loaded_checkpoint) or trainer.ckpt_path is not None
+
+
+def rewind_loops(fit_loop: _Loop, snapshot: dict) -> None:
+    """Put every progress counter of the fit loop back to ``snapshot`` (``fit_loop.state_dict()``), without
+    the restart mode that ``load_state_dict`` would switch on."""
+
+    def visit(loop: _Loop, prefix: str) -> None:
+        loop._load_from_state_dict(snapshot, prefix)
+        for name, child in vars(loop).items():
+            if isinstance(child, _Loop):
+                visit(child, f"{prefix}{name}.")
+
+    visit(fit_loop, "")

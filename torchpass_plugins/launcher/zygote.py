@@ -10,7 +10,6 @@ worker ends (the zygote is the workers' parent, so it reaps them).
 
 from __future__ import annotations
 
-import atexit
 import ctypes
 import json
 import os
@@ -23,6 +22,8 @@ import sys
 import threading
 import time
 from pathlib import Path
+
+from torchpass_plugins._compat.interpreter import run_exit_steps
 
 _PR_SET_PDEATHSIG = 1
 
@@ -55,8 +56,7 @@ def _run_worker(argv: list[str], env: dict[str, str]) -> None:
         sys.excepthook(*sys.exc_info())  # torchpass's hook may leave with its own exit code here
         code = 1
     # What the interpreter does at exit, short of tearing down modules that the fork shares.
-    threading._shutdown()
-    atexit._run_exitfuncs()
+    run_exit_steps()
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()

@@ -34,7 +34,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from torchpass_plugins import default_group, faults, shard_state
-from torchpass_plugins._compat.lightning import apply_layer_sync, refuse_unsupported
+from torchpass_plugins._compat.lightning import apply_layer_sync, dump_checkpoint, refuse_unsupported, rewind_loops
 from torchpass_plugins.default_group import PoisoningGroup
 from torchpass_plugins.errors import ConfigError
 from torchpass_plugins.membership import Unrecoverable
@@ -42,7 +42,7 @@ from torchpass_plugins.process_group import PeerFailure, ReconfigurableGroup
 from torchpass_plugins.ring_replication import RingReplicator
 from torchpass_plugins.sharded_recovery import ShardAgreement, ShardRow
 from torchpass_plugins.state_transfer import recv_state, send_packed, send_state, unpack
-from torchpass_plugins.step_replay import ReplayFetcher, StepFailed, rewind_loops
+from torchpass_plugins.step_replay import ReplayFetcher, StepFailed
 from torchpass_plugins.strategies.ddp import _REDUCE_OPS, TorchPassDDPStrategy
 
 WrapPolicy = Union[set[type[nn.Module]], int, None]
@@ -441,7 +441,7 @@ class TorchPassFSDPStrategy(TorchPassDDPStrategy):
         """Everything a spare needs besides the shards: Lightning's checkpoint without model and optimizer."""
         self._handing_over = True
         try:
-            checkpoint = self.lightning_module.trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+            checkpoint = dump_checkpoint(self.lightning_module.trainer)
         finally:
             self._handing_over = False
         host = self._host_at(step)
@@ -473,49 +473,9 @@ class TorchPassFSDPStrategy(TorchPassDDPStrategy):
         self.adapter.load_state(state["host"])
 
     # -- recovery -----------------------------------------------------------------------------------------
-    def _row(self) -> ShardRow:
-        rt = self.runtime
-        if rt.is_spare:
-            return ShardRow(spare=True)
-        applied = self.lightning_module.trainer.global_step
-        return ShardRow(False, applied, rt.last_boundary, tuple(self.replicator.own), tuple(self.replicator.replicas))
-
     def _recover(self, cause: str) -> int:
         """Rebuild the groups of the newest roster and restore the agreed step everywhere; returns it."""
-        rt = self.runtime
-        t0 = time.perf_counter()
-        while True:
-            rt.report_stall(cause)
-            gen = rt.next_roster()
-            try:
-                self.replicator.fence()  # the round in flight ends at once: its group is stale
-            except PeerFailure:
-                pass
-            try:
-                rt.transport.configure(gen, rt.rank)
-                self.replicator.side.configure(gen, rt.rank)
-                if not rt.is_spare:
-                    faults.point("survivor")
-                rows = [ShardRow.from_tensor(t) for t in rt.transport.all_gather(self._row().to_tensor())]
-                agreement = ShardAgreement.decide(rows)
-                self._exchange(agreement)
-            except PeerFailure as exc:
-                cause = str(exc)
-                continue
-            break
-        if rt.is_spare:
-            self._entering = True
-        else:
-            self._restore(agreement.restore_step)
-        rt.is_spare = False
-        self.replicator.reset()
-        self.relay.heal()
-        rt.events.emit(
-            "recovered", rank=rt.rank, gen=gen, cause=cause, seconds=time.perf_counter() - t0,
-            restore_step=agreement.restore_step, steps_rolled_back=agreement.lost_steps,
-            sources={str(k): v for k, v in agreement.sources.items()}, donor=agreement.donor,
-        )
-        return agreement.restore_step
+        return self.runtime.recover(_ShardedPlan(self), cause)
 
     def _exchange(self, a: ShardAgreement) -> None:
         """The lost shards from their ring successors, then the rest of the state from the donor."""
@@ -624,3 +584,46 @@ class TorchPassFSDPStrategy(TorchPassDDPStrategy):
         if self._local_only():
             return torch.stack([tensor] * self.world_size)
         return torch.stack(parts)
+
+
+class _ShardedPlan:
+    """``torchpass_fsdp``'s recovery plan: rows are :class:`ShardRow`, the decision a :class:`ShardAgreement`
+    (the newest step every shard has a copy of); the exchange moves the lost shards from their ring
+    successors and the rest of the state from the donor; survivors then restore that step."""
+
+    def __init__(self, strategy: TorchPassFSDPStrategy) -> None:
+        self.strategy = strategy
+
+    def prepare(self) -> None:
+        try:
+            self.strategy.replicator.fence()  # the round in flight ends at once: its group is stale
+        except PeerFailure:
+            pass
+
+    def row(self) -> Tensor:
+        s, rt = self.strategy, self.strategy.runtime
+        if rt.is_spare:
+            return ShardRow(spare=True).to_tensor()
+        applied = s.lightning_module.trainer.global_step
+        row = ShardRow(False, applied, rt.last_boundary, tuple(s.replicator.own), tuple(s.replicator.replicas))
+        return row.to_tensor()
+
+    def decide(self, rows: list[Tensor]) -> ShardAgreement:
+        return ShardAgreement.decide([ShardRow.from_tensor(t) for t in rows])
+
+    def describe(self, a: ShardAgreement) -> dict[str, Any]:
+        return {"restore_step": a.restore_step, "sources": {str(k): v for k, v in a.sources.items()}, "donor": a.donor}
+
+    def exchange(self, a: ShardAgreement) -> None:
+        self.strategy._exchange(a)
+
+    def finish(self, a: ShardAgreement) -> tuple[int, dict[str, Any]]:
+        s, rt = self.strategy, self.strategy.runtime
+        if rt.is_spare:
+            s._entering = True
+        else:
+            s._restore(a.restore_step)
+        rt.is_spare = False
+        s.replicator.reset()
+        s.relay.heal()
+        return a.restore_step, {**self.describe(a), "steps_rolled_back": a.lost_steps}
