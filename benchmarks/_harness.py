@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-from torchpass_plugins.provenance import code_fingerprint, disclose, recorded
+from torchpass_plugins.observe.provenance import code_fingerprint, disclose, recorded
 
 REPO = Path(__file__).resolve().parent.parent
 BENCH_DIR = REPO / "benchmarks"

@@ -24,7 +24,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from torchpass_plugins import TorchPass
-from torchpass_plugins.accelerate_loop import UnprotectedRunWarning
+from torchpass_plugins.integrations.accelerate.loop import UnprotectedRunWarning
 
 
 def main() -> None:

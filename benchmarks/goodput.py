@@ -46,7 +46,7 @@ from _goodput_model import (
 )
 from _harness import BENCH_DIR, REPO, bench_args, command_line, fresh_work_root, publish
 
-from torchpass_plugins.provenance import recorded
+from torchpass_plugins.observe.provenance import recorded
 
 OUT = BENCH_DIR / "out"
 PLOT, SMOKE_PLOT = REPO / "docs" / "goodput.png", OUT / "goodput-smoke.png"

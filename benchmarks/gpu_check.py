@@ -36,8 +36,8 @@ import gpu_nccl
 import torch
 from _harness import REPO, command_line, machine, machine_lines, update_section
 
-from torchpass_plugins.chaos.jobs import run
-from torchpass_plugins.chaos.oracle import differences
+from torchpass_plugins.testing.chaos.jobs import run
+from torchpass_plugins.testing.chaos.oracle import differences
 
 DOC = REPO / "docs" / "gpu.md"
 WORK = REPO / "benchmarks" / "out" / "gpu_check"
@@ -91,7 +91,7 @@ def nccl_restart_on_a_new_communicator() -> list[str]:
 
 
 def nvml_readings() -> list[str]:
-    from torchpass_plugins.health import NvmlHealthSource
+    from torchpass_plugins.health.watch import NvmlHealthSource
 
     readings = NvmlHealthSource().read(list(range(torch.cuda.device_count())))
     return [f"(c) NVML, GPU {i} | {r}" for i, r in enumerate(readings)]

@@ -6,7 +6,7 @@
   rank 0 (the rank on GPU 0); with 3 or more GPUs rank 1 is struck too. ``stop`` is a hang the agent's
   heartbeat check ends; ``stall`` keeps the heartbeat, so NCCL's own timeout (the collective timeout)
   fails the survivors' collective.
-- Group mechanics, two processes driving :class:`~torchpass_plugins.process_group.ReconfigurableGroup`
+- Group mechanics, two processes driving :class:`~torchpass_plugins.core.process_group.ReconfigurableGroup`
   directly: what a new generation costs (abort of the old communicator, build and connect of the new one,
   a first all-reduce), how long aborting a communicator takes while one of its collectives is stuck on a
   peer that never joins (against the abort deadline), and whether the next generation then works; the
@@ -81,7 +81,7 @@ def kill_hang_matrix(work: Path, gpus: int, on_cpu: bool, run_job, compare) -> l
 
 # -- group mechanics: two processes, this file run with --worker ------------------------------------------
 def group_mechanics(work: Path, on_cpu: bool, megabytes: int) -> list[str]:
-    from torchpass_plugins.membership import connect_store
+    from torchpass_plugins.control.membership import connect_store
 
     work.mkdir(parents=True, exist_ok=True)
     master = connect_store("127.0.0.1:0", is_master=True, timeout=120)
@@ -119,11 +119,11 @@ def group_mechanics(work: Path, on_cpu: bool, megabytes: int) -> list[str]:
 
 
 def _worker(rank: int, endpoint: str, device_type: str, megabytes: int, out: str) -> None:
-    from torchpass_plugins import backends
-    from torchpass_plugins.backends import GlooBackend, NcclBackend, prepare_nccl, slot_gpu
-    from torchpass_plugins.membership import Member, WorkerEnv
-    from torchpass_plugins.process_group import ReconfigurableGroup
-    from torchpass_plugins.state_transfer import recv_state, send_state
+    from torchpass_plugins.control.membership import Member, WorkerEnv
+    from torchpass_plugins.core import backends
+    from torchpass_plugins.core.backends import GlooBackend, NcclBackend, prepare_nccl, slot_gpu
+    from torchpass_plugins.core.process_group import ReconfigurableGroup
+    from torchpass_plugins.core.state_transfer import recv_state, send_state
 
     env = WorkerEnv(store=endpoint, token="gpu-check", worker_id=f"w{rank}", world_size=2, node_rank=0,
                     local_slot=rank, run_dir="", seed=0, heartbeat_interval=0.5)

@@ -31,8 +31,8 @@ import torch.nn.functional as F
 from _bench_data import mlp, pin_to_core
 from torch.nn.parallel import DistributedDataParallel
 
-from torchpass_plugins.grad_buckets import GradientBuckets
-from torchpass_plugins.worker import current_runtime
+from torchpass_plugins.control.worker import current_runtime
+from torchpass_plugins.core.grad_buckets import GradientBuckets
 
 ARMS = ("ddp", "ddp_sigterm", "torchpass")
 ORDERS = list(itertools.permutations(ARMS))

@@ -2,7 +2,7 @@
 
 What a recovery moves is a training state (parameters plus AdamW moments, a few Python values), from a
 survivor to the spare, over the generation's gloo group. *torchpass* is exactly that code path:
-``send_state`` / ``recv_state`` (``torchpass_plugins/state_transfer.py``) over a real ``ReconfigurableGroup`` (the
+``send_state`` / ``recv_state`` (``torchpass_plugins/core/state_transfer.py``) over a real ``ReconfigurableGroup`` (the
 real ``Member`` connected to a store, the real group rendezvous, the real waits), so the time includes
 the structure message and the copy of the small tensors into one message; the spare receives the large
 tensors into a ``Landing`` it prepared (untimed) from the shapes the donor announced, as a waiting spare
@@ -91,7 +91,7 @@ def training_state(nbytes: int) -> dict[str, Any]:
 
 def checksum(state: Any) -> float:
     """Sum over every tensor of the state: a cheap check that the values arrived (weight i is filled with i)."""
-    from torchpass_plugins.tree import tensors_in
+    from torchpass_plugins.core.tree import tensors_in
 
     return sum(float(t.double().sum()) for t in tensors_in(state))
 
@@ -101,10 +101,10 @@ def worker(rank: int, store: str, plan: Plan, out: Path) -> None:
     import torch
     import torch.distributed as dist
 
-    from torchpass_plugins.membership import Member, WorkerEnv
-    from torchpass_plugins.process_group import ReconfigurableGroup
-    from torchpass_plugins.state_transfer import Landing, pack, recv_state, send_state, unpack
-    from torchpass_plugins.tree import tensors_in
+    from torchpass_plugins.control.membership import Member, WorkerEnv
+    from torchpass_plugins.core.process_group import ReconfigurableGroup
+    from torchpass_plugins.core.state_transfer import Landing, pack, recv_state, send_state, unpack
+    from torchpass_plugins.core.tree import tensors_in
 
     ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: never outlive the driver
     timeout = timedelta(seconds=min(120.0, plan.timeout_s))

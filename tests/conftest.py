@@ -6,7 +6,7 @@ import pytest
 import torch
 from jobs import Job, run
 
-from torchpass_plugins.chaos.oracle import differences
+from torchpass_plugins.testing.chaos.oracle import differences
 
 STEPS = 20
 

@@ -2,7 +2,7 @@
 
 from pathlib import Path
 
-from torchpass_plugins.chaos.jobs import JOB_TIMEOUT, TRAIN, Job, alive, free_port, run, run_command, start
+from torchpass_plugins.testing.chaos.jobs import JOB_TIMEOUT, TRAIN, Job, alive, free_port, run, run_command, start
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -14,9 +14,9 @@ import pytest
 import torch
 from jobs import REPO, Job, free_port, run, run_command
 
-from torchpass_plugins.accelerate_loop import TorchPass, UnprotectedRunWarning, check_layout, check_loader
-from torchpass_plugins.chaos.oracle import differences
 from torchpass_plugins.errors import ConfigError
+from torchpass_plugins.integrations.accelerate.loop import TorchPass, UnprotectedRunWarning, check_layout, check_loader
+from torchpass_plugins.testing.chaos.oracle import differences
 
 EXAMPLE = REPO / "examples" / "accelerate" / "train.py"
 STEPS = 16  # 2 passes over 768 samples, 3 ranks x 16 per batch, 2 micro-batches per step

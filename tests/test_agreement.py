@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from torchpass_plugins.membership import JobAborted
-from torchpass_plugins.replicated_recovery import Agreement, MemberState
+from torchpass_plugins.control.membership import JobAborted
+from torchpass_plugins.core.replicated_recovery import Agreement, MemberState
 
 SPARE = MemberState(spare=True, position=(-1, -1), applied=-1, last_boundary=-1, reduced=False, voted=False)
 

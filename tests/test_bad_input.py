@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 from jobs import TRAIN, free_port, run
 
-from torchpass_plugins.membership import connect_store
-from torchpass_plugins.strategies import TorchPassDDPStrategy
+from torchpass_plugins.control.membership import connect_store
+from torchpass_plugins.integrations.lightning import TorchPassDDPStrategy
 
 
 def _cli(*args: str, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:

@@ -7,10 +7,10 @@ import copy
 
 import pytest
 
-from torchpass_plugins import faults
-from torchpass_plugins.chaos import matrix
-from torchpass_plugins.chaos.scenario import STEPS, draw
-from torchpass_plugins.faults import ACTIONS, PHASES, Fault
+from torchpass_plugins.testing import faults
+from torchpass_plugins.testing.chaos import matrix
+from torchpass_plugins.testing.chaos.scenario import STEPS, draw
+from torchpass_plugins.testing.faults import ACTIONS, PHASES, Fault
 
 
 def test_a_fault_prints_as_it_parses_and_a_bad_one_says_how_to_write_it():

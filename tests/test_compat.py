@@ -20,7 +20,7 @@ from torchpass_plugins._compat.lightning import (
     restoring_a_checkpoint,
     rewind_loops,
 )
-from torchpass_plugins.chaos.oracle import differences
+from torchpass_plugins.testing.chaos.oracle import differences
 
 
 class Tiny(L.LightningModule):

@@ -8,8 +8,8 @@ import pytest
 from omegaconf import OmegaConf
 
 from torchpass_plugins.config import TorchPassConfig, from_mapping, reference, register_configs
-from torchpass_plugins.environment import NotUnderTorchPass
 from torchpass_plugins.errors import ConfigError
+from torchpass_plugins.integrations.lightning.environment import NotUnderTorchPass
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -101,13 +101,13 @@ def test_the_strategy_and_callback_configs_build_what_trainer_kwargs_builds(tmp_
     same classes the same arguments (recorded: building the real strategy needs a torchpass worker)."""
     import hydra.utils
 
-    import torchpass_plugins.callback
-    import torchpass_plugins.strategies
+    import torchpass_plugins.integrations.lightning
+    import torchpass_plugins.integrations.lightning.callback
 
     calls: list[tuple[str, dict]] = []
-    for module, name in ((torchpass_plugins.strategies, "TorchPassDDPStrategy"),
-                         (torchpass_plugins.strategies, "TorchPassFSDPStrategy"),
-                         (torchpass_plugins.callback, "TorchPassCallback")):
+    for module, name in ((torchpass_plugins.integrations.lightning, "TorchPassDDPStrategy"),
+                         (torchpass_plugins.integrations.lightning, "TorchPassFSDPStrategy"),
+                         (torchpass_plugins.integrations.lightning.callback, "TorchPassCallback")):
         monkeypatch.setattr(module, name, lambda name=name, **kwargs: calls.append((name, kwargs)))
     settings = ["torchpass.timeouts.collective_s=60", "torchpass.replication.every_n_steps=3",
                 "torchpass.snapshots.keep=2", "torchpass.snapshots.dir=memory://s",

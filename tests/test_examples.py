@@ -91,8 +91,8 @@ def test_lightning_example_with_torchpass_off_is_plain_lightning_in_process(tmp_
     assert result.returncode == 0, result.stderr[-3000:]
     assert "trained 12 steps with SingleDeviceStrategy" in result.stdout
     modules = json.loads(result.stdout.split("MODULES", 1)[1])
-    training = ("torchpass_plugins.strategies", "torchpass_plugins.callback", "torchpass_plugins.runtime",
-                "torchpass_plugins.environment", "torchpass_plugins.launcher")
+    training = ("torchpass_plugins.integrations", "torchpass_plugins.core.runtime", "torchpass_plugins.control.agent",
+                "torchpass_plugins.control.coordinator", "torchpass_plugins.control.zygote")
     assert [m for m in modules if m.startswith(training)] == []
     assert not (tmp_path / "run" / "events.jsonl").exists()  # no agent, no worker
 

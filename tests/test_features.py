@@ -15,7 +15,7 @@ import pytest
 import torch
 from jobs import Job, run
 
-from torchpass_plugins.chaos.oracle import differences
+from torchpass_plugins.testing.chaos.oracle import differences
 
 SCRIPT = Path(__file__).parent / "scripts" / "lightning_features.py"
 STEPS = 15  # 3 epochs of 80 samples per rank, batches of 4, 4 micro-batches per step

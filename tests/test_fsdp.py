@@ -6,8 +6,8 @@ import torch
 from conftest import STEPS, assert_bit_exact
 from jobs import run
 
-from torchpass_plugins.chaos.oracle import differences
-from torchpass_plugins.snapshot_store import SnapshotStore
+from torchpass_plugins.storage.snapshot_store import SnapshotStore
+from torchpass_plugins.testing.chaos.oracle import differences
 
 FSDP = ("--strategy", "torchpass_fsdp")
 TRAIN = ("--devices", "3", "--max-steps", str(STEPS), *FSDP)

@@ -8,9 +8,9 @@ import pytest
 import torch
 from torch import nn
 
-from torchpass_plugins.grad_buckets import GradientBuckets
-from torchpass_plugins.membership import Member, WorkerEnv, connect_store
-from torchpass_plugins.process_group import ReconfigurableGroup
+from torchpass_plugins.control.membership import Member, WorkerEnv, connect_store
+from torchpass_plugins.core.grad_buckets import GradientBuckets
+from torchpass_plugins.core.process_group import ReconfigurableGroup
 
 
 def _single_rank_transport() -> tuple[ReconfigurableGroup, Member]:

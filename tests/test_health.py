@@ -8,7 +8,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from torchpass_plugins.health import (
+from torchpass_plugins.health.stragglers import StepTimer, stragglers
+from torchpass_plugins.health.watch import (
     DeviceHealth,
     FileHealthSource,
     HealthConfig,
@@ -16,7 +17,6 @@ from torchpass_plugins.health import (
     HealthUnavailable,
     NvmlHealthSource,
 )
-from torchpass_plugins.stragglers import StepTimer, stragglers
 
 
 class _FakeNvml:
@@ -129,7 +129,7 @@ def test_nvml_readings_with_unsupported_values_and_xid_events():
 def test_no_nvml_library_is_one_clear_line_and_the_watch_is_off(caplog):
     with pytest.raises(HealthUnavailable, match="Library Not Found"):
         NvmlHealthSource(_FakeNvml([], library=False))
-    with caplog.at_level(logging.WARNING, logger="torchpass_plugins.health"):
+    with caplog.at_level(logging.WARNING, logger="torchpass_plugins.health.watch"):
         assert HealthConfig(source="nvml").open() is None  # the real pynvml: this machine has no GPU
     [record] = caplog.records
     assert "GPU health watch off" in record.getMessage()

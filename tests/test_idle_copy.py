@@ -10,11 +10,11 @@ import time
 import pytest
 import torch
 
-from torchpass_plugins import idle_copy
-from torchpass_plugins.idle_copy import IdleCopy, pieces
-from torchpass_plugins.process_group import PeerFailure
-from torchpass_plugins.ring_replication import RingReplicator
-from torchpass_plugins.state_transfer import unpack
+from torchpass_plugins.core import idle_copy
+from torchpass_plugins.core.idle_copy import IdleCopy, pieces
+from torchpass_plugins.core.process_group import PeerFailure
+from torchpass_plugins.core.ring_replication import RingReplicator
+from torchpass_plugins.core.state_transfer import unpack
 
 TIMEOUT_S = 30
 
@@ -112,7 +112,7 @@ class _NoPeer:
 
 
 def test_the_fence_redoes_a_round_whose_copy_it_gave_up_on_into_another_segment(monkeypatch):
-    monkeypatch.setattr("torchpass_plugins.ring_replication.GRACE_S", 0.05)
+    monkeypatch.setattr("torchpass_plugins.core.ring_replication.GRACE_S", 0.05)
     holder = _Holder()
     replicator = RingReplicator(_NoPeer(), every=1, copier=lambda pairs: IdleCopy(pairs, copy=holder))
     state = {"w": torch.arange(3 * idle_copy.PIECE // 4, dtype=torch.float32)}

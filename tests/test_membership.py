@@ -10,9 +10,8 @@ from datetime import timedelta
 import pytest
 import torch
 
-from torchpass_plugins.events import EventLog, read_events
-from torchpass_plugins.launcher.coordinator import Coordinator
-from torchpass_plugins.membership import (
+from torchpass_plugins.control.coordinator import Coordinator
+from torchpass_plugins.control.membership import (
     ABORT_KEY,
     DONE_KEY,
     INBOX,
@@ -28,7 +27,8 @@ from torchpass_plugins.membership import (
     roster_key,
     watch_key,
 )
-from torchpass_plugins.process_group import PeerFailure, ReconfigurableGroup
+from torchpass_plugins.core.process_group import PeerFailure, ReconfigurableGroup
+from torchpass_plugins.observe.events import EventLog, read_events
 
 
 @pytest.fixture

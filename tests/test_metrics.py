@@ -6,8 +6,8 @@ import urllib.request
 
 from jobs import free_port
 
-from torchpass_plugins.events import EventLog
-from torchpass_plugins.metrics import serve
+from torchpass_plugins.observe.events import EventLog
+from torchpass_plugins.observe.metrics import serve
 
 
 def test_the_endpoint_serves_what_the_event_log_says(tmp_path):

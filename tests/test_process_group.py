@@ -15,11 +15,18 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from torchpass_plugins import backends
-from torchpass_plugins.backends import AbortHung, GlooBackend, NcclBackend, abort_within, backend_for, nccl_environment
+from torchpass_plugins.control.membership import Member, WorkerEnv, connect_store
+from torchpass_plugins.core import backends
+from torchpass_plugins.core.backends import (
+    AbortHung,
+    GlooBackend,
+    NcclBackend,
+    abort_within,
+    backend_for,
+    nccl_environment,
+)
+from torchpass_plugins.core.process_group import PeerFailure, ReconfigurableGroup
 from torchpass_plugins.errors import ConfigError
-from torchpass_plugins.membership import Member, WorkerEnv, connect_store
-from torchpass_plugins.process_group import PeerFailure, ReconfigurableGroup
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -161,7 +168,7 @@ def test_the_default_group_is_installed_through_the_public_route_and_found_by_na
         import torch.distributed._functional_collectives as funcol
         from torch.distributed.device_mesh import DeviceMesh
         from test_process_group import _one_rank_group
-        from torchpass_plugins import default_group
+        from torchpass_plugins.core import default_group
         group = _one_rank_group()
         group.configure(0, 0)
         world = default_group.install(default_group.PoisoningGroup(group, 0, 1, lambda: None), group.timeout)

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from torchpass_plugins.provenance import code_fingerprint, disclose, undisclosed
+from torchpass_plugins.observe.provenance import code_fingerprint, disclose, undisclosed
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"
 
@@ -50,5 +50,5 @@ def test_every_published_figure_ran_on_the_current_code_or_says_it_did_not(doc: 
     missing = undisclosed((DOCS / doc).read_text(), code_fingerprint())
     assert not missing, (
         f"docs/{doc}: {missing} ran on older code and do not say so; rerun their commands, or run "
-        f"`python -m torchpass_plugins.provenance docs/{doc}` to disclose it"
+        f"`python -m torchpass_plugins.observe.provenance docs/{doc}` to disclose it"
     )

@@ -13,10 +13,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from torchpass_plugins.peer_memory import SegmentId
-from torchpass_plugins.process_group import PeerFailure
-from torchpass_plugins.ring_replication import RingReplicator
-from torchpass_plugins.state_transfer import pack, unpack
+from torchpass_plugins.core.peer_memory import SegmentId
+from torchpass_plugins.core.process_group import PeerFailure
+from torchpass_plugins.core.ring_replication import RingReplicator
+from torchpass_plugins.core.state_transfer import pack, unpack
 
 ROUNDS = 4
 TIMEOUT_S = 60

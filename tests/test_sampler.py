@@ -11,7 +11,7 @@ from lightning.fabric.utilities.distributed import DistributedSamplerWrapper
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, RandomSampler
 
 from torchpass_plugins._compat.lightning import users_sampler
-from torchpass_plugins.sampler import SeededSampler, generators_of, seed_fetches
+from torchpass_plugins.core.sampler import SeededSampler, generators_of, seed_fetches
 
 
 class Noisy(Dataset):

@@ -7,10 +7,10 @@ import copy
 import pytest
 import torch
 
-from torchpass_plugins import shard_state
-from torchpass_plugins.membership import Unrecoverable
-from torchpass_plugins.sharded_recovery import ShardAgreement, ShardRow
-from torchpass_plugins.step_replay import ReplayFetcher
+from torchpass_plugins.control.membership import Unrecoverable
+from torchpass_plugins.core import shard_state
+from torchpass_plugins.core.sharded_recovery import ShardAgreement, ShardRow
+from torchpass_plugins.integrations.lightning.step_replay import ReplayFetcher
 
 SPARE = ShardRow(spare=True)
 

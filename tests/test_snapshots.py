@@ -17,11 +17,11 @@ import torch
 from conftest import STEPS
 from jobs import free_port, run
 
-from torchpass_plugins.callback import _refuse_another_jobs
 from torchpass_plugins.errors import ConfigError
-from torchpass_plugins.events import EventLog, read_events
-from torchpass_plugins.snapshot_store import Manifest, SnapshotStore, model_fingerprint
-from torchpass_plugins.snapshot_writer import AsyncSnapshotWriter, SnapshotPlan
+from torchpass_plugins.integrations.lightning.callback import _refuse_another_jobs
+from torchpass_plugins.observe.events import EventLog, read_events
+from torchpass_plugins.storage.snapshot_store import Manifest, SnapshotStore, model_fingerprint
+from torchpass_plugins.storage.snapshot_writer import AsyncSnapshotWriter, SnapshotPlan
 
 
 def _state(value: float) -> dict:
@@ -155,7 +155,7 @@ def test_sigkill_during_a_write_leaves_the_previous_snapshot_loadable(tmp_path):
     store = SnapshotStore(str(tmp_path / "snaps"))
     _commit(store, 1)
     writer = subprocess.Popen([sys.executable, "-c", (
-        "import torch; from torchpass_plugins.snapshot_store import SnapshotStore\n"
+        "import torch; from torchpass_plugins.storage.snapshot_store import SnapshotStore\n"
         f"s = SnapshotStore({str(tmp_path / 'snaps')!r})\n"
         "s.write_rank(2, 0, {'big': [torch.zeros(2**20) for _ in range(200)]})\n"  # 800 MB: still being written
         "s.commit(2, writers=[0], world_size=1, seed=0, timeout=10)\n"

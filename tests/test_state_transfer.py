@@ -9,8 +9,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from torchpass_plugins.host_copy import to_host
-from torchpass_plugins.state_transfer import Landing, pack, recv_state, send_state, unpack
+from torchpass_plugins.core.host_copy import to_host
+from torchpass_plugins.core.state_transfer import Landing, pack, recv_state, send_state, unpack
 
 
 class _Pair:

@@ -12,7 +12,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-from torchpass_plugins.sync_batchnorm import SyncBatchNorm, TorchPassSyncBatchNorm
+from torchpass_plugins.integrations.lightning.sync_batchnorm import SyncBatchNorm, TorchPassSyncBatchNorm
 
 pytestmark = pytest.mark.timeout(120)
 

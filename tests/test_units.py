@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from torchpass_plugins import rng
-from torchpass_plugins.faults import Fault
-from torchpass_plugins.launcher import LaunchConfig
+from torchpass_plugins.control.agent import LaunchConfig
+from torchpass_plugins.core import rng
+from torchpass_plugins.testing.faults import Fault
 
 
 def test_step_seeds_are_distinct_and_stable():

@@ -18,11 +18,11 @@ from typing import Any
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "TorchPassCallback": "torchpass_plugins.callback",
-    "TorchPassDDPStrategy": "torchpass_plugins.strategies",
-    "TorchPassFSDPStrategy": "torchpass_plugins.strategies",
-    "TorchPassEnvironment": "torchpass_plugins.environment",
-    "TorchPass": "torchpass_plugins.accelerate_loop",
+    "TorchPassCallback": "torchpass_plugins.integrations.lightning.callback",
+    "TorchPassDDPStrategy": "torchpass_plugins.integrations.lightning",
+    "TorchPassFSDPStrategy": "torchpass_plugins.integrations.lightning",
+    "TorchPassEnvironment": "torchpass_plugins.integrations.lightning.environment",
+    "TorchPass": "torchpass_plugins.integrations.accelerate.loop",
 }
 __all__ = [*_EXPORTS, "__version__"]
 
@@ -40,7 +40,7 @@ _STRATEGIES = {
 
 
 def _build(class_name: str, **kwargs: Any) -> Any:
-    return getattr(importlib.import_module("torchpass_plugins.strategies"), class_name)(**kwargs)
+    return getattr(importlib.import_module("torchpass_plugins.integrations.lightning"), class_name)(**kwargs)
 
 
 def _register() -> None:

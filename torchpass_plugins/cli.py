@@ -6,8 +6,8 @@ import argparse
 import os
 import sys
 
-from torchpass_plugins.health import HealthConfig, HealthPolicy
-from torchpass_plugins.launcher import LaunchConfig, launch
+from torchpass_plugins.control.agent import LaunchConfig, launch
+from torchpass_plugins.health.watch import HealthConfig, HealthPolicy
 
 
 def add_job_flags(p: argparse.ArgumentParser) -> None:
@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     rep.add_argument("run_dir")
     ns = parser.parse_args(argv)
     if ns.cmd == "report":
-        from torchpass_plugins.report import report
+        from torchpass_plugins.observe.report import report
 
         try:
             report(ns.run_dir)
@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
             parser.exit(1, f"torchpass report: {exc}\n")
         return 0
     if ns.cmd == "chaos":
-        from torchpass_plugins.chaos.cli import run_chaos
+        from torchpass_plugins.testing.chaos.cli import run_chaos
 
         return run_chaos(ns.seed, ns.only if ns.only is not None else range(ns.scenarios), ns.work_dir, ns.doc)
     if ns.cmd == "demo":

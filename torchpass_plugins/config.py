@@ -14,7 +14,7 @@ from dataclasses import MISSING, dataclass, field, fields, is_dataclass
 from typing import Any, Optional
 
 from torchpass_plugins.errors import ConfigError
-from torchpass_plugins.health import is_source
+from torchpass_plugins.health.watch import is_source
 
 
 @dataclass
@@ -126,8 +126,8 @@ class TorchPassConfig:
         """``strategy`` and ``callbacks`` for ``lightning.Trainer`` (empty when disabled)."""
         if not self.enabled:
             return {}
-        from torchpass_plugins.callback import TorchPassCallback
-        from torchpass_plugins.strategies import TorchPassDDPStrategy, TorchPassFSDPStrategy
+        from torchpass_plugins.integrations.lightning import TorchPassDDPStrategy, TorchPassFSDPStrategy
+        from torchpass_plugins.integrations.lightning.callback import TorchPassCallback
 
         if self.mode == "fsdp":
             strategy = TorchPassFSDPStrategy(timeout=self.timeouts.collective_s,

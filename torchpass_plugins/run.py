@@ -20,7 +20,7 @@ import os
 import sys
 
 from torchpass_plugins.cli import add_job_flags, job_config
-from torchpass_plugins.launcher import LaunchConfig, launch
+from torchpass_plugins.control.agent import LaunchConfig, launch
 
 # torchrun's view of this process: the script must not mistake it for its own (its ranks are torchpass's).
 _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",

@@ -23,8 +23,8 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from torchpass_plugins.config import TorchPassConfig, from_mapping
+from torchpass_plugins.control.membership import WorkerEnv
 from torchpass_plugins.errors import ConfigError
-from torchpass_plugins.membership import WorkerEnv
 
 
 @hydra.main(version_base="1.3", config_path="configs", config_name="train")

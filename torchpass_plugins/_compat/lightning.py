@@ -22,7 +22,7 @@ from lightning.pytorch.trainer.connectors.logger_connector.result import _Metada
 from torchmetrics import Metric
 
 from torchpass_plugins.errors import ConfigError
-from torchpass_plugins.sync_batchnorm import TorchPassSyncBatchNorm
+from torchpass_plugins.integrations.lightning.sync_batchnorm import TorchPassSyncBatchNorm
 
 _REDUCE = {"mean": torch.mean, "sum": torch.sum, "max": torch.max, "min": torch.min}
 _META = (

@@ -17,9 +17,9 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from torchpass_plugins.chaos.jobs import Job
-from torchpass_plugins.chaos.oracle import differences
-from torchpass_plugins.report import report, wide_console
+from torchpass_plugins.observe.report import report, wide_console
+from torchpass_plugins.testing.chaos.jobs import Job
+from torchpass_plugins.testing.chaos.oracle import differences
 
 TRAIN = Path(__file__).with_name("train.py")
 WORLD = 3

@@ -1,0 +1,192 @@
+"""A fork server per node: heavy modules are imported once, and every worker is a fork of that process.
+
+Importing torch and Lightning costs seconds of CPU per process; a job starts a worker per slot, and a
+fresh one for every failure (refill) and every restart. The zygote imports the ``preload`` modules once,
+single-threaded and without touching CUDA, then forks a worker per request: the worker starts in
+milliseconds and runs the training script as ``__main__``, as ``python script.py`` would. The agent
+talks to it over a socket pair: ``{"spawn", "argv", "env"}`` -> ``{"pid"}``; ``{"exited", "code"}`` when a
+worker ends (the zygote is the workers' parent, so it reaps them).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import runpy
+import select
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from torchpass_plugins._compat.interpreter import run_exit_steps
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def _run_worker(argv: list[str], env: dict[str, str]) -> None:
+    """In the forked child: become ``python argv...`` and leave as its interpreter would."""
+    os.setsid()
+    _die_with_parent()
+    os.environ.clear()
+    os.environ.update(env)
+    code = 0
+    try:
+        if argv[0] == "-m":
+            sys.argv = argv[1:]
+            runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+        else:
+            sys.argv = list(argv)
+            sys.path[0] = str(Path(argv[0]).resolve().parent)
+            runpy.run_path(argv[0], run_name="__main__")
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        if not isinstance(exc.code, int | None):
+            print(exc.code, file=sys.stderr)
+    except BaseException:
+        sys.excepthook(*sys.exc_info())  # torchpass's hook may leave with its own exit code here
+        code = 1
+    # What the interpreter does at exit, short of tearing down modules that the fork shares.
+    run_exit_steps()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
+
+
+def serve(fd: int, preload: list[str]) -> None:
+    """The zygote's loop (its own process): fork on request, report exits; ends when the agent goes."""
+    _die_with_parent()
+    conn = socket.socket(fileno=fd)
+    for module in preload:
+        try:
+            __import__(module)
+        except ImportError:
+            pass
+    if threading.active_count() != 1:
+        print("torchpass: the preloaded modules started threads; forking workers from them is unsafe",
+              file=sys.stderr, flush=True)
+    reader = conn.makefile("r")
+    while True:
+        ready, _, _ = select.select([conn], [], [], 0.05)
+        if ready:
+            line = reader.readline()
+            if not line:  # the agent is done (or gone): leave without tearing down torch and co.
+                sys.stdout.flush()
+                os._exit(0)
+            request = json.loads(line)
+            pid = os.fork()
+            if pid == 0:
+                conn.close()
+                _run_worker(request["argv"], request["env"])
+            conn.sendall((json.dumps({"pid": pid}) + "\n").encode())
+        while True:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                break
+            if pid == 0:
+                break
+            conn.sendall((json.dumps({"exited": pid, "code": os.waitstatus_to_exitcode(status)}) + "\n").encode())
+
+
+class Worker:
+    """What the agent holds for a forked worker: the ``subprocess.Popen`` methods it uses."""
+
+    def __init__(self, pid: int, zygote: Zygote) -> None:
+        self.pid = pid
+        self._zygote = zygote
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            self.returncode = self._zygote.exit_code(self.pid)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(f"worker {self.pid}", timeout)
+            time.sleep(0.02)
+        return self.returncode
+
+    def _signal(self, sig: int) -> None:
+        if self.poll() is None:  # not reaped: the pid is still this worker's
+            try:
+                os.kill(self.pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def kill(self) -> None:
+        self._signal(signal.SIGKILL)
+
+    def terminate(self) -> None:
+        self._signal(signal.SIGTERM)
+
+
+class Zygote:
+    """The agent's side: starts the fork server, asks it for workers, learns of their exits."""
+
+    def __init__(self, preload: list[str]) -> None:
+        ours, theirs = socket.socketpair()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-u", "-c", "import sys; from torchpass_plugins.control.zygote import serve; "
+             f"serve({theirs.fileno()}, sys.argv[1:])", *preload],
+            pass_fds=[theirs.fileno()],
+        )
+        theirs.close()
+        self._conn = ours
+        self._lock = threading.Lock()
+        self._pids: list[int] = []
+        self._exits: dict[int, int] = {}
+        self._spawned = threading.Condition()
+        threading.Thread(target=self._read, name="torchpass-zygote", daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self._conn.makefile("r"):
+            message = json.loads(line)
+            with self._spawned:
+                if "pid" in message:
+                    self._pids.append(message["pid"])
+                else:
+                    self._exits[message["exited"]] = message["code"]
+                self._spawned.notify_all()
+        with self._spawned:  # the zygote died: so did its workers (they die with their parent)
+            for pid in self._pids:
+                self._exits.setdefault(pid, -signal.SIGKILL)
+            self._spawned.notify_all()
+
+    def spawn(self, argv: list[str], env: dict[str, str], timeout: float = 600.0) -> Worker:
+        with self._lock, self._spawned:
+            known = len(self._pids)
+            self._conn.sendall((json.dumps({"argv": argv, "env": env}) + "\n").encode())
+            if not self._spawned.wait_for(lambda: len(self._pids) > known or self.proc.poll() is not None, timeout):
+                raise RuntimeError("torchpass: the fork server did not answer")
+            if len(self._pids) == known:
+                raise RuntimeError(f"torchpass: the fork server exited ({self.proc.returncode})")
+            return Worker(self._pids[known], self)
+
+    def exit_code(self, pid: int) -> int | None:
+        with self._spawned:
+            return self._exits.get(pid)
+
+    def close(self) -> None:
+        self._conn.shutdown(socket.SHUT_RDWR)  # EOF for the zygote now (the reader's file still holds the fd)
+        self._conn.close()
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()

@@ -1,0 +1,347 @@
+"""One process group whose members can change under it: rebuilt per generation, at fixed logical ranks.
+
+:class:`ReconfigurableGroup` is the only group the package communicates through. Each generation (a
+roster published by the coordinator) gets fresh backend groups under a new store prefix, built by one
+:class:`~torchpass_plugins.core.backends.Backend` per device type (gloo for CPU tensors, NCCL for CUDA
+tensors), so logical rank = backend rank in every generation and a spare takes a lost rank's number.
+
+A collective whose peer died may block the survivors until the backend's timeout, and for gloo neither
+``abort()`` nor ``destroy_process_group()`` from another thread unblocks it. So every operation is issued
+asynchronously and waited on in short slices: the wait ends as soon as the work completes *or* the
+member's roster watch reports a newer generation (then :class:`PeerFailure`). For gloo the waiting thread
+sleeps in gloo's own condition variable (``Work.wait(timeout)`` gives up without touching the operation);
+CUDA work is polled with ``is_completed()``, which asks the work's CUDA events: the host waits for that
+work to finish (the commit rule needs to know it did), never for the whole device. The stuck generation
+is aborted (:meth:`abort`) or, where its backend cannot abort, abandoned; its own timeout fires later,
+harmlessly, as a backstop.
+
+The blocking verbs (``all_reduce``, ``broadcast_from``, ``send_many`` ...) are what the protocol uses;
+the ``torch.distributed.ProcessGroup`` methods issue on the current generation and return its ``Work``,
+for the failure-semantics wrappers in :mod:`torchpass_plugins.core.default_group`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import sys
+import threading
+import time
+from collections.abc import Iterable
+from concurrent.futures import Future
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from torchpass_plugins.control.membership import Member
+from torchpass_plugins.core.backends import AbortHung, Backend, GlooBackend, abort_within
+from torchpass_plugins.core.waits import completion, waited_in_thread
+
+_TICK = 0.05
+_SLICE = timedelta(seconds=_TICK)
+_POLL_S = 0.0002  # between ``is_completed()`` queries of CUDA work: a few microseconds of host time each
+
+
+class PeerFailure(RuntimeError):
+    """A collective could not complete in this generation: a peer died or a newer roster exists."""
+
+
+class ReconfigurableGroup(dist.ProcessGroup):
+    """The member's process group, at its logical rank, in the current generation."""
+
+    def __init__(self, member: Member, timeout: timedelta, name: str = "pg") -> None:
+        # c10d never sees this group (the default group is a wrapper on it), so its C++ rank stays 0: the
+        # logical rank, known once the coordinator assigns it, is the ``rank`` attribute.
+        super().__init__(0, member.env.world_size)
+        self.member = member
+        self.name = name  # store prefix: groups of the same generation with other names are independent
+        self.timeout = timeout
+        self.backends: dict[str, Backend] = {"cpu": GlooBackend()}
+        self._groups: dict[str, dist.ProcessGroup] = {}
+        self.gen = -1
+        self.rank = -1  # an attribute here (over c10d's rank()): the wrappers answer c10d
+        self.world_size = member.env.world_size
+        self._failure: str | None = None  # what failed in this generation (it cannot be used again)
+        self._escaped: list = []  # completion futures of operations that may still be pending (see _retire)
+        self._on_device: dict[int, dist.Work] = {}  # issued CUDA work, polled rather than waited in slices
+        self.waited = 0.0  # seconds spent waiting for operations so far (straggler detection subtracts it)
+
+    # -- identity ---------------------------------------------------------------------------------------
+    def size(self) -> int:
+        return self.world_size
+
+    def getBackendName(self) -> str:
+        return "+".join(b.name for b in self.backends.values())
+
+    # -- generations ------------------------------------------------------------------------------------
+    def use_backend(self, backend: Backend) -> None:
+        """Communicate tensors of ``backend.device`` through ``backend`` (from the current generation on)."""
+        self.backends[backend.device] = backend
+        if self.built():
+            store = dist.PrefixStore(f"{self.name}/{self.gen}/{backend.device}", self.member.thread_store())
+            self._groups[backend.device] = backend.build(store, self.rank, self.world_size, self.timeout)
+
+    def built(self) -> bool:
+        """Whether the current generation's groups exist (they may have failed since)."""
+        return bool(self._groups)
+
+    def stale(self) -> bool:
+        return self.member.latest_gen > self.gen
+
+    def errored(self) -> str | None:
+        """Why this generation's group cannot be used (a failure seen, a newer roster, none built); else None."""
+        if not self._groups:
+            return "no group built yet"
+        if self.stale():
+            return f"generation {self.member.latest_gen} replaced {self.gen}"
+        return self._failure
+
+    def check(self) -> None:
+        """Raise ``PeerFailure`` if this generation's group cannot be used (:meth:`errored`)."""
+        why = self.errored()
+        if why is not None:
+            raise PeerFailure(why)
+
+    def configure(self, generation: int, rank: int) -> None:
+        """Abort the current generation and join ``generation`` at ``rank``; ``PeerFailure`` if an even
+        newer one appears meanwhile. Where the old generation cannot be aborted in time, this process
+        leaves (exit status 1): a spare then takes its rank."""
+        try:
+            self.abort()
+        except AbortHung as exc:
+            print(f"{exc}; leaving the job so that a spare takes rank {self.rank}", file=sys.stderr, flush=True)
+            os._exit(1)
+        result: Future = Future()
+        # Its own connection: a rendezvous abandoned for a newer roster may block in the store for long,
+        # and a store client serves one blocking operation at a time.
+        client = self.member.thread_store()
+
+        def build() -> None:
+            try:
+                result.set_result({
+                    device: backend.build(dist.PrefixStore(f"{self.name}/{generation}/{device}", client), rank,
+                                          self.world_size, self.timeout)
+                    for device, backend in self.backends.items()
+                })
+            except Exception as exc:  # handed over to the waiting thread
+                result.set_exception(exc)
+
+        self.gen, self.rank, self._failure = generation, rank, None
+        threading.Thread(target=build, name=f"torchpass-connect-{self.name}-{generation}", daemon=True).start()
+        self._groups = self._wait_future(result, f"connect generation {generation}")
+
+    def abort(self) -> None:
+        """End the current generation: every backend aborts its group within its deadline (gloo's groups
+        are abandoned instead; see :meth:`_retire`). Raises :class:`~torchpass_plugins.core.backends.AbortHung`
+        if a backend's abort does not return in time: only leaving the process frees it."""
+        groups, self._groups = self._groups, {}
+        self._on_device.clear()
+        for device, pg in groups.items():
+            backend = self.backends[device]
+            if backend.can_abort:
+                abort_within(backend, pg)
+        self._retire(groups.values())
+
+    def _retire(self, groups: Iterable[dist.ProcessGroup]) -> None:
+        """Drop a replaced generation. If one of its operations is still pending (escaped from a wait, or
+        issued and never waited for), its destructor would join a thread stuck with a dead peer, so the
+        groups are kept alive for good instead; closing the groups of the other survivors is what makes
+        such an operation fail and its thread end."""
+        self._escaped = [f for f in self._escaped if not f.done()]
+        if self._escaped:
+            for pg in groups:
+                ctypes.pythonapi.Py_IncRef(ctypes.py_object(pg))
+
+    def close(self) -> None:
+        """End the groups at exit (gloo's threads end as they are dropped, NCCL's communicators are
+        aborted); only once :meth:`drain` found nothing pending."""
+        self.abort()
+
+    def drain(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` for operations left in replaced groups; True when none is pending."""
+        deadline = time.monotonic() + timeout
+        while any(not f.done() for f in self._escaped) and time.monotonic() < deadline:
+            time.sleep(_TICK)
+        return all(f.done() for f in self._escaped)
+
+    # -- torch.distributed.ProcessGroup: issue on the current generation, return its Work ---------------
+    def _group_for(self, tensors: list[torch.Tensor]) -> dist.ProcessGroup:
+        self.check()
+        device = tensors[0].device.type if tensors else "cpu"
+        return self._groups.get(device, self._groups["cpu"])  # gloo carries CUDA tensors where NCCL is not used
+
+    def _issue(self, tensors: list[torch.Tensor], op: str, *args) -> dist.Work:
+        group = self._group_for(tensors)
+        try:
+            work = getattr(group, op)(*args)
+        except RuntimeError as exc:  # the backend refused it (NCCL: a communicator its watchdog aborted)
+            raise self._fail(op, exc) from exc
+        if tensors and tensors[0].device.type != "cpu":
+            self._on_device[id(work)] = work
+        return work
+
+    def allreduce(self, tensors: list[torch.Tensor], opts=None) -> dist.Work:
+        return self._issue(tensors, "allreduce", tensors, opts or dist.AllreduceOptions())
+
+    def broadcast(self, tensors: list[torch.Tensor], opts=None) -> dist.Work:
+        return self._issue(tensors, "broadcast", tensors, opts or dist.BroadcastOptions())
+
+    def allgather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts=None) -> dist.Work:
+        return self._issue(inputs, "allgather", outputs, inputs)
+
+    def _allgather_base(self, output: torch.Tensor, input: torch.Tensor, opts=None) -> dist.Work:
+        return self._issue([input], "_allgather_base", output, input)
+
+    def _reduce_scatter_base(self, output: torch.Tensor, input: torch.Tensor, opts=None) -> dist.Work:
+        return self._issue([input], "_reduce_scatter_base", output, input, opts or dist.ReduceScatterOptions())
+
+    def gather(self, outputs, inputs: list[torch.Tensor], opts=None) -> dist.Work:
+        return self._issue(inputs, "gather", outputs, inputs, opts or dist.GatherOptions())
+
+    def scatter(self, outputs: list[torch.Tensor], inputs, opts=None) -> dist.Work:
+        return self._issue(outputs, "scatter", outputs, inputs, opts or dist.ScatterOptions())
+
+    def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> dist.Work:
+        return self._issue(tensors, "send", tensors, dst, tag)
+
+    def recv(self, tensors: list[torch.Tensor], src: int, tag: int = 0) -> dist.Work:
+        return self._issue(tensors, "recv", tensors, src, tag)
+
+    def barrier(self, opts=None) -> dist.Work:
+        return self.allreduce([torch.zeros(1)])
+
+    # -- escapable waits --------------------------------------------------------------------------------
+    def track(self, work: dist.Work) -> None:
+        """An operation issued but waited for elsewhere (or never, if a recovery comes first)."""
+        self._escaped = [f for f in self._escaped if not f.done()]
+        self._escaped.append(completion(work))
+
+    def _fail(self, what: str, why: object) -> PeerFailure:
+        self._failure = f"{what}: {why}"
+        return PeerFailure(self._failure)
+
+    def wait(self, work: dist.Work, what: str) -> None:
+        """Block until ``work`` is done; ``PeerFailure`` if it failed or a newer roster replaced the group."""
+        t0 = time.perf_counter()
+        try:
+            if self._on_device.pop(id(work), None) is not None:
+                self._poll(work, what)
+                return
+            try:
+                work.get_future()
+            except RuntimeError:  # gloo send/recv: no future, and a timed-out wait would close the connection
+                self._wait_future(waited_in_thread([work]), what)
+                return
+            while True:
+                try:
+                    work.wait(_SLICE)  # a collective's timed-out wait leaves the operation running
+                    return
+                except Exception:
+                    if work.is_completed():  # failed: the plain wait below raises its own error
+                        break
+                if self.stale():
+                    self._escaped.append(work.get_future())
+                    raise PeerFailure(f"{what}: generation {self.member.latest_gen} replaced {self.gen}")
+            try:
+                work.wait()
+            except Exception as exc:
+                raise self._fail(what, exc) from exc
+        finally:
+            self.waited += time.perf_counter() - t0
+
+    def _poll(self, work: dist.Work, what: str) -> None:
+        """CUDA work: done when its events say so (no host sync); then ``wait()`` orders the current stream
+        after it and raises the backend's error, if any."""
+        while not work.is_completed():
+            if self.stale():
+                self.track(work)
+                raise PeerFailure(f"{what}: generation {self.member.latest_gen} replaced {self.gen}")
+            time.sleep(_POLL_S)
+        try:
+            work.wait()
+        except Exception as exc:
+            raise self._fail(what, exc) from exc
+
+    def wait_all(self, works: list[dist.Work], what: str) -> None:
+        """Like :meth:`wait` for several works, in turn."""
+        if any(id(w) in self._on_device for w in works):
+            for w in works:
+                self.wait(w, what)
+            return
+        t0 = time.perf_counter()
+        try:
+            self._wait_future(waited_in_thread(works), what)
+        finally:
+            self.waited += time.perf_counter() - t0
+
+    def _wait_future(self, fut: Future, what: str):
+        done = threading.Event()
+        fut.add_done_callback(lambda _: done.set())
+        while not done.wait(_TICK):
+            if self.stale():
+                self._escaped.append(fut)
+                raise PeerFailure(f"{what}: generation {self.member.latest_gen} replaced {self.gen}")
+        try:
+            return fut.result()
+        except Exception as exc:
+            raise self._fail(what, exc) from exc
+
+    # -- blocking verbs (each returns once done, or raises PeerFailure) ---------------------------------
+    def all_reduce(self, tensor: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM, what: str = "all_reduce") -> None:
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = op
+        self.wait(self.allreduce([tensor], opts), what)
+
+    def broadcast_from(self, tensor: torch.Tensor, src: int) -> None:
+        opts = dist.BroadcastOptions()
+        opts.rootRank = src
+        self.wait(self.broadcast([tensor], opts), "broadcast")
+
+    def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        out = [torch.empty_like(tensor) for _ in range(self.world_size)]
+        self.wait(self.allgather([out], [tensor]), "all_gather")
+        return out
+
+    def sync(self, what: str = "barrier") -> None:
+        self.all_reduce(torch.zeros(1), what=what)
+
+    def wait_for_all(self, name: str) -> None:
+        """A barrier with no time limit, for ranks that wait while one of them works alone for as long as
+        it takes (``prepare_data`` downloading a data set): a mark per rank in the job's store, polled, and
+        escaped like every wait when a newer roster replaces this group."""
+        store, prefix = self.member.store, f"torchpass/wait_for_all/{self.gen}/{name}/"
+        store.set(f"{prefix}{self.rank}", b"1")
+        marks = [f"{prefix}{r}" for r in range(self.world_size)]
+        while not store.check(marks):
+            if self.stale():
+                raise PeerFailure(f"{name}: generation {self.member.latest_gen} replaced {self.gen}")
+            time.sleep(_TICK)
+
+    def send_to(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> None:
+        self.wait(self.send([tensor], dst, tag), "send")
+
+    def recv_from(self, tensor: torch.Tensor, src: int, tag: int = 0) -> None:
+        self.wait(self.recv([tensor], src, tag), "recv")
+
+    def send_many(self, tensors: Iterable[torch.Tensor], dst: int, tag: int = 0) -> None:
+        """Send ``tensors`` in order, all posted at once (gloo streams them back to back); waits for all."""
+        self.wait_all(self._post(self.send, tensors, dst, tag), "send")
+
+    def recv_many(self, tensors: Iterable[torch.Tensor], src: int, tag: int = 0) -> None:
+        """Receive into ``tensors`` in order (matching :meth:`send_many`), all posted at once; waits for
+        all. ``tensors`` may be a generator: each receive is posted as soon as its tensor is made, while
+        the earlier ones stream."""
+        self.wait_all(self._post(self.recv, tensors, src, tag), "recv")
+
+    def _post(self, op, tensors: Iterable[torch.Tensor], peer: int, tag: int) -> list[dist.Work]:
+        works: list[dist.Work] = []
+        try:
+            for tensor in tensors:
+                works.append(op([tensor], peer, tag))
+        except Exception:
+            for work in works:  # posted, never to be waited for here
+                self.track(work)
+            raise
+        return works
+

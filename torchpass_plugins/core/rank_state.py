@@ -1,0 +1,72 @@
+"""What a rank holds that its peers do not, copied to its ring successor as training goes.
+
+A spare receives the training state from a survivor, and most of it is the same on every rank (weights,
+optimizer, schedulers, loop progress). Some is not: a metric's running counts, the values an epoch of
+``self.log(..., on_epoch=True)`` accumulates, ``callback_metrics``. The lost process takes that with it,
+so each rank hands it to its ring successor before it can be needed, twice per step:
+
+- *at the commit vote*, after the gradient reduction and before the vote: what the step's forward and
+  backward changed. A rank enters the vote only after this exchange, so a vote that some survivor finished
+  means every successor holds its predecessor's copy as of that vote;
+- *at the next step boundary*: what ran after the optimizer step (validation, the end of an epoch, hooks).
+
+A spare entering at boundary ``E`` gets its predecessor's copy of boundary ``E`` from the successor; when its
+predecessor was lost before that exchange (after step ``E - 1``'s vote), the copy of that vote, which
+misses only what ran after the optimizer step (event ``rank_state_received``, ``kind: "vote"``).
+
+A rank lost together with its successor (two failures at once, or one during the recovery from another)
+leaves no copy of its state; its spare then starts those values over, as resuming from a snapshot would,
+and the log says so (event ``rank_state_lost``). A second holder would close that gap, but in small rings
+it is also a predecessor, so a connection would carry messages both ways, and gloo aborts the process
+when it tears down such a connection to a peer that died.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from torchpass_plugins.core.process_group import ReconfigurableGroup
+from torchpass_plugins.core.state_transfer import fields_of, frame, pack, structure_of, unpack
+
+_TAG = 7  # apart from the state hand-over's messages between the same two ranks
+_FIELDS = 3  # step, structure bytes, payload bytes
+KEEP = 2
+
+
+class RankStateRing:
+    """This rank's copies of its ring predecessor's rank-local state, by kind and step."""
+
+    def __init__(self) -> None:
+        self.copies: dict[str, dict[int, tuple[torch.Tensor, torch.Tensor]]] = {"vote": {}, "boundary": {}}
+
+    def exchange(self, transport: ReconfigurableGroup, kind: str, step: int, state: Any) -> None:
+        """Send ``state`` to the successor and keep the predecessor's, both at once (raises ``PeerFailure``)."""
+        if transport.world_size < 2:
+            return
+        succ, pred = (transport.rank + 1) % transport.world_size, (transport.rank - 1) % transport.world_size
+        meta, payload = pack(state)
+        first, rest = frame([step, meta.numel(), payload.numel()], torch.cat([meta, payload]))
+        theirs = torch.empty_like(first)
+        transport.wait_all([transport.send([first], succ, _TAG), transport.recv([theirs], pred, _TAG)],
+                           f"rank state at the {kind}")
+        got_step, meta_n, payload_n = fields_of(theirs, _FIELDS)
+        blob, rest_in = structure_of(theirs, _FIELDS, meta_n + payload_n)
+        works = [transport.send([rest], succ, _TAG)] if rest is not None else []
+        works += [transport.recv([rest_in], pred, _TAG)] if rest_in is not None else []
+        if works:
+            transport.wait_all(works, f"rank state at the {kind}")
+        kept = self.copies[kind]
+        kept[got_step] = (blob[:meta_n], blob[meta_n:])
+        for old in sorted(kept)[:-KEEP]:
+            del kept[old]
+
+    def for_entry(self, entry: int) -> tuple[str, Any]:
+        """The predecessor's state at boundary ``entry``: ``("boundary", state)``; else as of the vote before
+        it, ``("vote", state)``; else ``("none", None)``: this rank was a spare itself when the copy went round,
+        or the predecessor was lost before the first boundary's."""
+        for kind, step in (("boundary", entry), ("vote", entry - 1)):
+            if step in self.copies[kind]:
+                return kind, unpack(*self.copies[kind][step])
+        return "none", None

@@ -1,0 +1,1 @@
+"""Detectors: device health readings (NVML or an injected source) and straggler detection."""

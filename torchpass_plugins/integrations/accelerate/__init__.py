@@ -1,0 +1,1 @@
+"""``TorchPass``: hot spares for a hand-written Hugging Face Accelerate loop."""

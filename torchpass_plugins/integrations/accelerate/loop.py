@@ -1,0 +1,325 @@
+"""Hot spares for a hand-written Hugging Face Accelerate training loop.
+
+The user keeps ``Accelerator``, ``prepare`` and their loop, and adds four lines::
+
+    tp = TorchPass()                      # before Accelerator(): joins the job; a spare waits here
+    accelerator = Accelerator(gradient_accumulation_steps=2,
+                              dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True))
+    model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
+    tp.track(accelerator, model=model, optimizer=optimizer, scheduler=scheduler, loader=loader)
+    for epoch in tp.epochs(3):
+        for batch in tp.batches(loader):
+            with accelerator.accumulate(model):
+                accelerator.backward(model(batch).loss)
+                optimizer.step(); scheduler.step(); optimizer.zero_grad()
+
+The recovery protocol is the core's (:class:`Runtime`), as for ``torchpass_ddp``: ``tp.batches`` marks
+step boundaries; ``accelerator.backward`` of a step's last micro-batch reduces the gradients in fixed
+buckets through the runtime and votes to commit the step, so a failure is retried from intact local
+gradients; the default ``torch.distributed`` group is a :class:`RetryingGroup`, so Accelerate's
+own collectives survive too; DDP's wrapper stays (``unwrap_model`` and ``no_sync`` work) but passes
+``forward`` straight to the module. A spare receives the tracked state (``state_dict`` of every tracked
+object, optimizer steps applied, Accelerate's accumulation counter, the data position) from a peer and
+enters at the boundary of the step in flight.
+
+Without a torchpass supervisor (plain ``accelerate launch train.py``, or ``python train.py``) the same
+script runs unprotected, after one warning that the loss of a worker will end the job.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import warnings
+from collections.abc import Iterable, Iterator
+from datetime import timedelta
+from typing import Any
+
+import torch
+from torch import nn
+
+from torchpass_plugins.control.membership import WorkerEnv
+from torchpass_plugins.core import default_group
+from torchpass_plugins.core.backends import communicate_on, slot_gpu
+from torchpass_plugins.core.default_group import RetryingGroup
+from torchpass_plugins.core.grad_buckets import GradientBuckets
+from torchpass_plugins.core.runtime import Runtime
+from torchpass_plugins.core.sampler import SeededSampler, seed_fetches
+from torchpass_plugins.core.tree import tensors_in
+from torchpass_plugins.errors import ConfigError
+from torchpass_plugins.testing import faults
+
+log = logging.getLogger(__name__)
+
+UNPROTECTED = (
+    "torchpass: this process was not started by a torchpass supervisor, so the loss of any worker will end "
+    "the job (accelerate launch's agent stops every process when one dies). To survive it, launch with "
+    "`accelerate launch --multi_gpu --num_processes N -m torchpass_plugins.run --spares S train.py` "
+    "or `torchpass launch --nproc-per-node N --spares S train.py`."
+)
+
+
+class UnprotectedRunWarning(UserWarning):
+    """The script runs without torchpass: a worker's loss ends the job."""
+
+
+def _stateful(obj: Any) -> bool:
+    return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
+
+
+def check_layout(accelerator: Any, runtime: Runtime) -> None:
+    """Refuse an ``Accelerator`` that does not see the job's ranks: it would shard the data and reduce as
+    a single process (on a CPU machine without ``cpu=True``), and every rank would train on everything."""
+    if (accelerator.num_processes, accelerator.process_index) != (runtime.world_size, runtime.rank):
+        raise ConfigError(
+            f"torchpass: the Accelerator sees {accelerator.num_processes} process(es) with this one at index "
+            f"{accelerator.process_index}, but the job has {runtime.world_size} active ranks and this is rank "
+            f"{runtime.rank}: it did not join the job's process group. On a CPU machine pass "
+            "Accelerator(cpu=True); otherwise check that nothing initialized torch.distributed before TorchPass()."
+        )
+
+
+def check_loader(loader: Any) -> None:
+    """Refuse a prepared loader whose order a spare could not reproduce, saying what to change."""
+    from accelerate.data_loader import SeedableRandomSampler
+    from torch.utils.data import RandomSampler
+
+    sampler = getattr(loader.batch_sampler, "batch_sampler", loader.batch_sampler)
+    sampler = getattr(sampler, "sampler", None)
+    if isinstance(sampler, RandomSampler) and not isinstance(sampler, SeedableRandomSampler):
+        raise ConfigError(
+            "torchpass: a shuffled loader must draw its order from a seed, so that a spare can take the "
+            "same batches: Accelerator(dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True))"
+        )
+    if getattr(loader, "use_stateful_dataloader", False):
+        raise ConfigError(
+            "torchpass: a spare repositions the train loader itself (it skips the batches its predecessor took, "
+            "with skip_first_batches, which Accelerate does not support on a StatefulDataLoader): drop "
+            "use_stateful_dataloader=True from the DataLoaderConfiguration"
+        )
+    if loader.rng_types:
+        raise ConfigError(
+            f"torchpass: the loader synchronizes RNG states ({loader.rng_types}) at each pass; torchpass "
+            "reseeds every step instead: drop rng_types (or use use_seedable_sampler=True)"
+        )
+
+
+def seed_loader(loader: Any, seed: int) -> SeededSampler:
+    """Give the prepared loader's batches seeds of their place in the job's order, and make the dataset
+    reseed from them as it loads (see :mod:`torchpass_plugins.core.sampler`): augmentation in loader workers
+    then draws the same numbers on a spare that starts mid-pass as on the rank it replaces."""
+    holder = loader.batch_sampler  # BatchSamplerShard -> BatchSampler -> the index sampler
+    while getattr(holder, "batch_sampler", None) is not None:
+        holder = holder.batch_sampler
+    holder.sampler = SeededSampler(holder.sampler, seed, rank=0)
+    seed_fetches(loader.dataset)
+    return holder.sampler
+
+
+class TorchPass:
+    """Declares what a loop's state is and where its steps begin; see the module docstring."""
+
+    def __init__(self, seed: int | None = None, timeout: timedelta | float = timedelta(minutes=5),
+                 process_group_backend: str | None = None) -> None:
+        """``seed``: the job seed of the per-step random streams (dropout, ...); pass the seed given to
+        ``set_seed`` so that runs launched apart draw the same numbers (default: ``--seed`` of the launch,
+        else one derived from the job's token). ``process_group_backend``: for CUDA tensors, where a GPU is
+        visible (``nccl`` unless given; ``gloo`` for several ranks sharing one GPU)."""
+        self.active = WorkerEnv.from_env() is not None
+        self.runtime: Runtime | None = None
+        self._pending: dict[str, Any] | None = None  # a spare's received state, applied by ``track``
+        self.applied = 0
+        self._tracked = False
+        self._iteration, self._consumed = 0, 0  # the data position: loader pass, batches taken in it
+        self._step_open = False
+        self._reduced = False
+        if not self.active:
+            warnings.warn(UNPROTECTED, UnprotectedRunWarning, stacklevel=2)
+            return
+        from torchpass_plugins.control.worker import current_runtime
+
+        timeout = timeout if isinstance(timeout, timedelta) else timedelta(seconds=timeout)
+        rt = self.runtime = current_runtime(timeout)
+        if seed is not None:
+            rt.seed_override = seed
+        # Accelerate reads the layout from the environment: logical rank and world size, the slot's device.
+        os.environ.update(RANK=str(rt.rank), WORLD_SIZE=str(rt.world_size), LOCAL_RANK=str(rt.env.local_slot))
+        host, port = rt.env.store.rsplit(":", 1)
+        os.environ.setdefault("MASTER_ADDR", host)
+        os.environ.setdefault("MASTER_PORT", port)
+        if torch.cuda.is_available():  # Accelerate places each process on cuda:LOCAL_RANK (its slot's GPU)
+            communicate_on(rt.transport, slot_gpu(rt.env.local_slot), process_group_backend)
+        default_group.install(RetryingGroup(rt), rt.transport.timeout)
+        rt.adapter = self
+        rt.rank_state = None
+        rt.events.source = f"rank{rt.rank}"
+        rt.events.emit("worker_ready", worker=rt.env.worker_id, rank=rt.rank, spare=rt.is_spare)
+        if rt.is_spare:
+            rt.enter_as_spare()  # the state waits in ``_pending`` until ``track`` has the objects
+
+    # -- what the user calls --------------------------------------------------------------------------
+    def track(self, accelerator: Any, **objects: Any) -> None:
+        """Declare the loop's state, after ``accelerator.prepare``: the model(s), optimizer(s), the train
+        loader (one), and any object with ``state_dict``/``load_state_dict`` (schedulers, EMA, ...), each
+        under a name of your choice."""
+        if not self.active:
+            return
+        if self._tracked:
+            raise ConfigError("torchpass: TorchPass.track was called twice; declare every object in one call")
+        from accelerate.data_loader import DataLoaderShard
+
+        loaders = [o for o in objects.values() if isinstance(o, DataLoaderShard)]
+        optimizers = [o for o in objects.values() if isinstance(o, torch.optim.Optimizer)]
+        models = [o for o in objects.values() if isinstance(o, nn.Module)]
+        if len(loaders) != 1 or not optimizers or not models:
+            raise ConfigError(
+                "torchpass: track() needs the prepared model(s), optimizer(s) and exactly one train loader "
+                f"(returned by accelerator.prepare); got {len(models)} model(s), {len(optimizers)} "
+                f"optimizer(s), {len(loaders)} prepared loader(s)"
+            )
+        check_layout(accelerator, self.runtime)
+        check_loader(loaders[0])
+        self._order = seed_loader(loaders[0], self.runtime.seed)
+        for name, obj in objects.items():
+            if not (_stateful(obj) or isinstance(obj, DataLoaderShard)):
+                raise ConfigError(f"torchpass: track({name}=...) has no state_dict/load_state_dict to hand over")
+        self.accelerator, self.loader = accelerator, loaders[0]
+        self._objects = {name: accelerator.unwrap_model(o) if isinstance(o, nn.Module) else o
+                         for name, o in objects.items() if o is not self.loader}
+        for model in models:
+            if isinstance(model, nn.parallel.DistributedDataParallel):
+                model.forward = model.module.forward  # gradients are reduced by the buckets below, not DDP
+        params = [p for opt in optimizers for group in opt.param_groups for p in group["params"]]
+        self._buckets = GradientBuckets(params, self.runtime.world_size)
+        self._wrap_backward(accelerator)
+        inner = optimizers[0].optimizer if hasattr(optimizers[0], "optimizer") else optimizers[0]
+        inner.register_step_pre_hook(self._before_optimizer_step)
+        inner.register_step_post_hook(self._after_optimizer_step)
+        self._tracked = True
+        if self._pending is not None:
+            self._adopt(self._pending)
+            self._pending = None
+
+    def epochs(self, count: int) -> Iterator[int]:
+        """``range(count)`` from the pass over the data the job is in (a spare enters mid-run); then the
+        end of training, once every rank has finished."""
+        if not self.active:
+            yield from range(count)
+            return
+        self._require_tracked()
+        yield from range(self._iteration, count)
+        step = self.applied
+        if self.runtime.last_boundary != step:
+            self.runtime.boundary(step)
+        self.runtime.collective(lambda t: t.barrier(), None)
+        self.runtime.training_complete(step)
+
+    def batches(self, loader: Iterable[Any]) -> Iterator[Any]:
+        """One pass over the tracked train loader, with the step boundaries marked."""
+        if not self.active:
+            yield from loader
+            return
+        self._require_tracked()
+        if loader is not self.loader:
+            raise ConfigError("torchpass: batches() takes the train loader that was passed to track()")
+        self.loader.iteration = self._iteration
+        self._order.set_epoch(self._iteration)  # a spare's skipping loader does not pass the epoch on
+        source = self.loader
+        if self._consumed:  # a spare resumes mid-pass: the sampler skips what its predecessor took
+            source = self.accelerator.skip_first_batches(self.loader, self._consumed)
+        batches = iter(source)
+        while True:
+            # Fetch, then mark the boundary: a pass's first fetch draws its base seed from the global
+            # generator, which the boundary then reseeds, so no step's random stream depends on where a
+            # pass began (a spare starts its pass mid-way).
+            faults.point("data")
+            try:
+                batch = next(batches)
+            except StopIteration:
+                break
+            if not self._step_open and self.runtime.last_boundary != self.applied:
+                self._boundary()
+            self._step_open = True
+            self._consumed += 1
+            yield batch
+        self._iteration, self._consumed = self._iteration + 1, 0
+        self.loader.iteration = self._iteration
+
+    # -- hooks --------------------------------------------------------------------------------------------
+    def _boundary(self) -> None:
+        rt = self.runtime
+        rt.boundary(self.applied)
+        if rt.drain_due(self.applied) is not None:
+            rt.carry_out_drain(self.applied)
+
+    def _wrap_backward(self, accelerator: Any) -> None:
+        original = accelerator.backward
+        rt, buckets = self.runtime, self._buckets
+
+        def backward(loss: torch.Tensor, **kwargs: Any) -> None:
+            faults.point("backward")
+            sync = accelerator.sync_gradients
+            if sync:
+                buckets.overlap_with(rt.transport)
+            original(loss, **kwargs)
+            if sync:  # the step's last micro-batch: reduce and commit, as DDP would have reduced by now
+                rt.reduce_gradients(buckets)
+                buckets.write_back()
+                self._reduced = True
+
+        accelerator.backward = backward
+
+    def _before_optimizer_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if not self._reduced:
+            raise RuntimeError(
+                "torchpass: the optimizer stepped before the gradients were reduced; compute them with "
+                "accelerator.backward(loss) (inside accelerator.accumulate(model) when accumulating)"
+            )
+
+    def _after_optimizer_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        self._reduced = self._step_open = False
+        self.applied += 1
+        faults.point("optimizer")
+
+    def _require_tracked(self) -> None:
+        if not self._tracked:
+            raise ConfigError("torchpass: call tp.track(accelerator, model=..., optimizer=..., loader=...) first")
+
+    # -- the runtime's Adapter ----------------------------------------------------------------------------
+    def applied_steps(self) -> int:
+        return self.applied
+
+    def boundary_snapshot(self) -> dict[str, int]:
+        return {"iteration": self._iteration, "consumed": self._consumed, "accumulation": self.accelerator.step}
+
+    def boundary_state(self, snapshot: Any) -> dict[str, Any]:
+        if self._pending is not None:  # promoted, not yet tracking: hand on what it received
+            return self._pending
+        state = {"applied": self.applied, "position": snapshot or self.boundary_snapshot(),
+                 "objects": {name: obj.state_dict() for name, obj in self._objects.items()}}
+        if self.accelerator.scaler is not None:
+            state["scaler"] = self.accelerator.scaler.state_dict()
+        return state
+
+    def state_tensors(self) -> list[torch.Tensor]:
+        return tensors_in([obj.state_dict() for obj in self._objects.values()]) if self._tracked else []
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        self.applied = state["applied"]
+        if self._tracked:
+            self._adopt(state)
+        else:
+            self._pending = state
+
+    def _adopt(self, state: dict[str, Any]) -> None:
+        missing = set(self._objects) - set(state["objects"])
+        if missing:
+            raise ConfigError(f"torchpass: the peers track no state for {sorted(missing)}; track the same names")
+        for name, obj in self._objects.items():
+            obj.load_state_dict(state["objects"][name])
+        if "scaler" in state:
+            self.accelerator.scaler.load_state_dict(state["scaler"])
+        position = state["position"]
+        self._iteration, self._consumed = position["iteration"], position["consumed"]
+        self.accelerator.step = position["accumulation"]
+        log.info("torchpass: entered at step %d (pass %d, batch %d)", self.applied, self._iteration, self._consumed)

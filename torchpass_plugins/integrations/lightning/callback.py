@@ -1,0 +1,172 @@
+"""``TorchPassCallback``: background snapshots as the fallback of last resort, and where the log goes."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.pytorch.callbacks import Callback
+from typing_extensions import override
+
+from torchpass_plugins._compat.lightning import restoring_a_checkpoint
+from torchpass_plugins.errors import ConfigError
+from torchpass_plugins.observe.events import EventLog
+from torchpass_plugins.storage.snapshot_store import Manifest, SnapshotStore, model_fingerprint
+from torchpass_plugins.storage.snapshot_writer import AsyncSnapshotWriter, SnapshotPlan, WhenBusy
+
+_LAND_ON_LEAVE_S = 60.0  # how long a worker leaving the job (aborted, migrated) waits for its snapshot in flight
+
+
+class TorchPassCallback(Callback):
+    """Job-wide snapshots, and optionally another place for the workers' event log.
+
+    The strategies work without it and log every phase of a recovery to ``RUN_DIR/events.jsonl`` (the
+    launcher's ``--run-dir``); ``run_dir`` sends the workers' events elsewhere. With ``snapshot_dir`` (any
+    fsspec URL) a snapshot of the full training state is written in the background every
+    ``snapshot_every_n_steps`` optimizer steps, the newest ``snapshot_keep`` are kept, and ``fit`` resumes
+    from the newest committed one automatically (unless ``ckpt_path`` is given). When a snapshot is due
+    while the previous one is still being written, ``snapshot_when_busy`` says whether to skip it or to
+    wait for the previous one. ``snapshot_timeout`` bounds how long a snapshot may take to land (every
+    rank's file written and the manifest committed): at the end of training, one still in flight after it is
+    abandoned and logged, so storage that hangs cannot hang the job (the previous snapshot stands).
+    """
+
+    def __init__(
+        self,
+        run_dir: str | os.PathLike | None = None,
+        snapshot_dir: str | None = None,
+        snapshot_every_n_steps: int = 0,
+        snapshot_keep: int = 3,
+        snapshot_when_busy: WhenBusy = "skip",
+        snapshot_storage_options: dict[str, Any] | None = None,
+        snapshot_timeout: float = 600.0,
+    ) -> None:
+        if snapshot_every_n_steps < 0 or snapshot_keep < 1 or snapshot_timeout <= 0:
+            raise ConfigError(
+                f"torchpass: snapshot_every_n_steps={snapshot_every_n_steps} must be >= 0, "
+                f"snapshot_keep={snapshot_keep} >= 1 and snapshot_timeout={snapshot_timeout} > 0"
+            )
+        if snapshot_every_n_steps and not snapshot_dir:
+            raise ConfigError("torchpass: snapshot_every_n_steps needs snapshot_dir (a path or fsspec URL)")
+        if snapshot_when_busy not in ("skip", "wait"):
+            raise ConfigError(f"torchpass: snapshot_when_busy must be 'skip' or 'wait', not {snapshot_when_busy!r}")
+        self.run_dir = run_dir
+        self.snapshot_dir = snapshot_dir
+        self.snapshot_every_n_steps = snapshot_every_n_steps
+        self.snapshot_keep = snapshot_keep
+        self.snapshot_when_busy = snapshot_when_busy
+        self.snapshot_storage_options = snapshot_storage_options
+        self.snapshot_timeout = snapshot_timeout
+        self.runtime = None
+        self.writer: AsyncSnapshotWriter | None = None
+        self._last_snapshot = 0  # step of the newest snapshot started or resumed from
+        self._stall: float | None = None  # loop time the snapshot being staged cost so far
+
+    def attach(self, runtime) -> None:
+        """Called by the torchpass strategy as it sets up, before any recovery can happen."""
+        if self.run_dir is not None:
+            runtime.events = EventLog(Path(self.run_dir) / "events.jsonl", source=runtime.events.source)
+        self.runtime = runtime
+
+    # -- resume ---------------------------------------------------------------------------------------------
+    @override
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        if stage != "fit" or not self.snapshot_dir:
+            return
+        strategy = trainer.strategy
+        if self.runtime is None:
+            raise ConfigError(
+                "torchpass: snapshots need strategy='torchpass_ddp' or 'torchpass_fsdp' under `torchpass launch` "
+                f"(got {type(strategy).__name__})"
+            )
+        store = SnapshotStore(self.snapshot_dir, self.snapshot_storage_options)
+        writers = strategy.snapshot_writers()
+        model = model_fingerprint(pl_module)
+        if not restoring_a_checkpoint(trainer):
+            self._resume(trainer, store, writers, model)
+        plan = SnapshotPlan(store, strategy.global_rank, strategy.world_size, writers, seed=self.runtime.seed,
+                            keep=self.snapshot_keep, when_busy=self.snapshot_when_busy,
+                            commit_timeout=self.snapshot_timeout, model=model)
+        self.writer = AsyncSnapshotWriter(plan, self.runtime.events)
+        self.runtime.leave_hooks.append(lambda: self.writer.close(timeout=_LAND_ON_LEAVE_S))
+        self.runtime.rollback_hooks.append(self.writer.fence)
+
+    def _resume(self, trainer, store: SnapshotStore, writers: list[int], model: str) -> None:
+        """All ranks resume from the newest snapshot whose files all verify (each rank reads the file of
+        its own rank, or the single writer's)."""
+        strategy, events = trainer.strategy, self.runtime.events
+        rank = strategy.global_rank
+        steps = strategy.broadcast([m.step for m in store.committed()] if rank == 0 else None, 0)
+        newest = store.manifest(steps[-1]) if steps else None
+        if newest is not None:
+            _refuse_another_jobs(newest, store.url, strategy.world_size, model)
+
+        def everyone(ok: bool) -> bool:
+            return bool(strategy.reduce(torch.tensor(int(ok)), reduce_op="min").item())
+
+        found = store.load_newest(rank if rank in writers else writers[0], steps, everyone)
+        if found is None:
+            return
+        manifest, state, refused = found
+        strategy.load_snapshot(state)
+        self.runtime.seed_override = manifest.seed
+        self._last_snapshot = step = manifest.step
+        reached = self.runtime.member.reached_before_restart()
+        lost = None if reached is None else max(0, reached - step)
+        events.emit("snapshot_resumed", rank=rank, step=step, url=store.url, refused=refused,
+                    torn=store.torn(), steps_lost=lost)
+        if rank == 0:
+            print(f"torchpass: resuming from the snapshot of step {step} in {store.url}"
+                  + (f"; the aborted attempt had reached step {reached}: {lost} step(s) lost" if lost is not None
+                     else "")
+                  + (f" ({len(refused)} newer one(s) refused as corrupted)" if refused else ""),
+                  file=sys.stderr, flush=True)
+
+    # -- snapshots --------------------------------------------------------------------------------------------
+    @override
+    def on_train_batch_start(self, trainer, pl_module, batch: Any, batch_idx: int) -> None:
+        every, step = self.snapshot_every_n_steps, trainer.global_step
+        if self.writer is None or not every or step % every or step <= self._last_snapshot:
+            return
+        if (trainer.fit_loop.epoch_loop.batch_progress.current.ready - 1) % trainer.accumulate_grad_batches:
+            return  # not the step's first micro-batch
+        self._last_snapshot = step
+        t0 = time.perf_counter()
+        state, stable = trainer.strategy.snapshot_state()  # on every rank: Lightning's save hooks run on all
+        if self.writer.start(step, state, stable):
+            self._stall = time.perf_counter() - t0
+
+    @override
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        if self.writer is None or self._stall is None:
+            return
+        stall, self._stall = self._stall + self.writer.fence(), None
+        self.runtime.events.emit("snapshot_staged", rank=trainer.global_rank, step=trainer.global_step,
+                                 stall_s=stall)
+
+    @override
+    def on_train_end(self, trainer, pl_module) -> None:
+        if self.writer is not None and not self.writer.close(timeout=self.snapshot_timeout):
+            self.runtime.events.emit("snapshot_failed", rank=trainer.global_rank, step=self._last_snapshot,
+                                     error=f"still in flight {self.snapshot_timeout:g} s after training ended: "
+                                     "abandoned (the previous snapshot stands)")
+
+
+def _refuse_another_jobs(manifest: Manifest, url: str, world_size: int, model: str) -> None:
+    """Resuming from another job's snapshot would train the wrong state, and this job's retention would then
+    delete that job's snapshots: stop with the reason instead."""
+    theirs = []
+    if manifest.world_size != world_size:
+        theirs.append(f"{manifest.world_size} ranks, this job has {world_size}")
+    if manifest.model and manifest.model != model:
+        theirs.append("a model whose parameters have other names, shapes or dtypes")
+    if theirs:
+        raise ConfigError(
+            f"torchpass: the newest snapshot in {url} (step {manifest.step}) was written by another job "
+            f"({'; '.join(theirs)}). Give this job its own snapshot directory (snapshots.dir / snapshot_dir); "
+            "nothing there was read or deleted"
+        )

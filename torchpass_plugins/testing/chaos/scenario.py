@@ -1,0 +1,84 @@
+"""Chaos scenarios: which faults strike where, drawn from a seed so that any one of them can be replayed.
+
+A scenario is the demo job (3 active ranks, 1 spare, snapshots every 3 steps) on one strategy with one
+or two faults from :mod:`torchpass_plugins.testing.faults`. Scenario ``i`` of seed ``s`` depends on nothing but
+``(s, i)``: ``torchpass chaos --seed s --only i`` replays it alone.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+from torchpass_plugins.testing.faults import RECOVERY_PHASES, STEP_PHASES, Fault
+
+STRATEGIES = ("torchpass_ddp", "torchpass_fsdp")
+WORLD = 3
+STEPS = 10
+SNAPSHOT_EVERY = 3
+# Kills dominate real failures (a lost process, a lost node); every other action is drawn as often as one kind
+# of kill. ``kill-agent`` ends the job (on one node, the agent hosts the coordinator): it is drawn least.
+_ACTIONS = {"kill": 3, "exit": 1, "raise": 1, "stop": 1, "spin": 1, "stall": 1, "slow": 1, "kill-agent": 0.5}
+# A scenario's kind: a fault in a training step, in a background thread, in a recovery (a second fault
+# striking while the first is being repaired), or two ranks killed at once (more failures than spares).
+_KINDS = {"step": 6, "background": 2, "recovery": 3, "double": 1}
+SLOW_S = 0.3
+
+
+@dataclass(frozen=True)
+class Scenario:
+    seed: int
+    index: int
+    kind: str
+    strategy: str
+    replicate_every: int
+    faults: tuple[Fault, ...]
+
+    @property
+    def spec(self) -> str:
+        """The ``TORCHPASS_FAULTS`` value."""
+        return ";".join(str(f) for f in self.faults)
+
+    @property
+    def target(self) -> Fault:
+        """The fault the scenario is about (in a recovery scenario, the one striking the recovery)."""
+        return self.faults[-1]
+
+    @property
+    def reference(self) -> str:
+        """Which failure-free run the result must equal, bit for bit."""
+        return f"{self.strategy}-r{self.replicate_every}"
+
+    def __str__(self) -> str:
+        return f"#{self.index} {self.strategy} (replicate every {self.replicate_every}): {self.spec}"
+
+
+def _weighted(rng: random.Random, weights: dict[str, float]) -> str:
+    return rng.choices(list(weights), weights=list(weights.values()))[0]
+
+
+def _fault(rng: random.Random, action: str, rank: int | None, step: int | None, phase: str) -> Fault:
+    return Fault(action, rank, step, phase, SLOW_S if action == "slow" else 0.0)
+
+
+def draw(seed: int, index: int) -> Scenario:
+    rng = random.Random(f"torchpass-chaos:{seed}:{index}")
+    strategy = rng.choice(STRATEGIES)
+    replicate_every = rng.choice((1, 2)) if strategy == "torchpass_fsdp" else 1
+    kind = _weighted(rng, _KINDS)
+    rank, step = rng.randrange(WORLD), rng.randint(1, STEPS - 2)
+    if kind == "step":
+        faults = (_fault(rng, _weighted(rng, _ACTIONS), rank, step, rng.choice(STEP_PHASES)),)
+    elif kind == "background":
+        # The threads run at boundaries the job chooses (replication rounds, snapshot steps): a fault strikes
+        # the first one at or after its step on its rank, so the step leaves room for one more snapshot.
+        phase = rng.choice(("replicate", "snapshot") if strategy == "torchpass_fsdp" else ("snapshot",))
+        faults = (_fault(rng, _weighted(rng, _ACTIONS), rank, min(step, STEPS - SNAPSHOT_EVERY), phase),)
+    elif kind == "recovery":
+        first = _fault(rng, "kill", rank, step, rng.choice(STEP_PHASES))
+        faults = (first, _fault(rng, _weighted(rng, _ACTIONS), None, None, rng.choice(RECOVERY_PHASES)))
+    else:
+        other = rng.choice([r for r in range(WORLD) if r != rank])
+        phase = rng.choice(STEP_PHASES)
+        faults = (_fault(rng, "kill", rank, step, phase), _fault(rng, "kill", other, step, phase))
+    return Scenario(seed, index, kind, strategy, replicate_every, faults)
