@@ -119,7 +119,8 @@ def group_mechanics(work: Path, on_cpu: bool, megabytes: int) -> list[str]:
 
 
 def _worker(rank: int, endpoint: str, device_type: str, megabytes: int, out: str) -> None:
-    from torchpass_plugins.control.membership import Member, WorkerEnv
+    from torchpass_plugins.control.membership import Member
+    from torchpass_plugins.control.worker_env import WorkerEnv
     from torchpass_plugins.core import backends
     from torchpass_plugins.core.backends import GlooBackend, NcclBackend, prepare_nccl, slot_gpu
     from torchpass_plugins.core.process_group import ReconfigurableGroup

@@ -101,7 +101,8 @@ def worker(rank: int, store: str, plan: Plan, out: Path) -> None:
     import torch
     import torch.distributed as dist
 
-    from torchpass_plugins.control.membership import Member, WorkerEnv
+    from torchpass_plugins.control.membership import Member
+    from torchpass_plugins.control.worker_env import WorkerEnv
     from torchpass_plugins.core.process_group import ReconfigurableGroup
     from torchpass_plugins.core.state_transfer import Landing, pack, recv_state, send_state, unpack
     from torchpass_plugins.core.tree import tensors_in

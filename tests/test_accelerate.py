@@ -14,6 +14,7 @@ import pytest
 import torch
 from jobs import REPO, Job, free_port, run, run_command
 
+from torchpass_plugins.control.worker_env import VARIABLE as WORKER_VARIABLE
 from torchpass_plugins.errors import ConfigError
 from torchpass_plugins.integrations.accelerate.loop import TorchPass, UnprotectedRunWarning, check_layout, check_loader
 from torchpass_plugins.testing.chaos.oracle import differences
@@ -84,7 +85,7 @@ def test_a_rank_lost_in_an_evaluation_gather_no_one_completed_never_yields_local
 
 
 def test_without_a_supervisor_the_loop_runs_unprotected_after_one_warning(monkeypatch):
-    monkeypatch.delenv("TORCHPASS_STORE", raising=False)
+    monkeypatch.delenv(WORKER_VARIABLE, raising=False)
     with pytest.warns(UnprotectedRunWarning, match="the loss of any worker will end the job"):
         tp = TorchPass()
     with warnings.catch_warnings():

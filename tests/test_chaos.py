@@ -4,8 +4,12 @@ scenarios is ``torchpass chaos``; its last result is in docs/reliability.md)."""
 from __future__ import annotations
 
 import copy
+import os
+import subprocess
+import sys
 
 import pytest
+from jobs import run
 
 from torchpass_plugins.testing import faults
 from torchpass_plugins.testing.chaos import matrix
@@ -22,6 +26,26 @@ def test_a_fault_prints_as_it_parses_and_a_bad_one_says_how_to_write_it():
         Fault.parse("kill@rank=1,phase=lunch")
     with pytest.raises(ValueError, match="ACTION@rank=R"):
         Fault.parse("kill@rank=one")
+
+
+def test_a_malformed_fault_spec_fails_when_loaded_not_on_import():
+    script = ("from torchpass_plugins.testing import faults\n"  # importing reads nothing from the environment
+              "from torchpass_plugins.errors import ConfigError\n"
+              "try:\n    faults.load()\nexcept ConfigError as exc:\n    print(exc)\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "TORCHPASS_FAULTS": "kill@rank=one"})
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("torchpass: TORCHPASS_FAULTS: bad fault 'kill@rank=one'"), done.stdout
+
+
+@pytest.mark.timeout(240)
+def test_a_malformed_fault_spec_stops_the_job_before_training(tmp_path):
+    job, codes = run(tmp_path, nproc=2, spares=0, train_args=("--max-steps", "3"), faults="kill@rank=one")
+    assert codes == [1]
+    assert "TORCHPASS_FAULTS: bad fault 'kill@rank=one'" in job.output()
+    assert job.applied(0) == []
+    assert len(job.events("worker_started")) == 2  # stopped, not refilled with workers that would repeat it
+    assert job.leftovers() == []
 
 
 def test_scenarios_replay_from_their_seed_and_the_matrix_covers_every_phase_and_action():
@@ -47,7 +71,7 @@ def test_the_verdict_catches_a_divergence_and_a_step_applied_twice(work):
     sc = draw(0, 16)
     assert sc.spec == "kill@rank=2,step=8,phase=data" and sc.strategy == "torchpass_ddp"
     expected = matrix.reference(work, sc.reference)
-    job, codes, left = matrix._run_job(work / "verdict", sc.strategy, sc.replicate_every, sc.spec)
+    job, codes, left = matrix.run_job(work / "verdict", sc.strategy, sc.replicate_every, sc.spec)
     assert matrix.judge(sc, job, codes, left, expected)[0] == "zero-rollback"
     for part, name in (("module", "net.1.running_mean"), ("callback_metrics", "train_acc")):  # rank 2's own
         perturbed = copy.deepcopy(expected)

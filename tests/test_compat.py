@@ -1,25 +1,36 @@
 """The framework internals ``torchpass_plugins._compat`` relies on still have the shape it reads: a new
-Lightning (or Python) that moved them fails here, by name, before any job could go wrong."""
+Lightning (or Python) that moved them fails here, by name, before any job could go wrong. And importing
+torchpass reaches into no process-wide hook: it registers its strategy names through Lightning's registry."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
+from datetime import timedelta
 
 import lightning as L
+import pytest
 import torch
+import torch.distributed as dist
+from lightning.fabric.utilities.distributed import DistributedSamplerWrapper
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader, RandomSampler, SequentialSampler, TensorDataset
 from torchmetrics.classification import MulticlassAccuracy
 
 from torchpass_plugins._compat.lightning import (
+    dataloader_with_sampler,
     dump_checkpoint,
     load_rank_local_state,
+    optimizers_to_device,
     rank_local_state,
+    replayed_batch_end,
     restore_at_fit_start,
     restoring_a_checkpoint,
     rewind_loops,
+    users_sampler,
+    wait_in_prepare_data,
 )
+from torchpass_plugins._compat.torch_distributed import carry_name, nccl_options
 from torchpass_plugins.testing.chaos.oracle import differences
 
 
@@ -42,12 +53,25 @@ class Tiny(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
-def _fit(steps: int) -> L.Trainer:
+class Preparing(Tiny):
+    def prepare_data(self) -> None:
+        pass
+
+
+def _trainer(steps: int) -> L.Trainer:
+    return L.Trainer(accelerator="cpu", devices=1, max_steps=steps, logger=False, enable_checkpointing=False,
+                     enable_progress_bar=False, enable_model_summary=False)
+
+
+def _data() -> DataLoader:
     g = torch.Generator().manual_seed(0)
-    data = TensorDataset(torch.randn(64, 4, generator=g), torch.randint(0, 3, (64,), generator=g))
-    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=steps, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False)
-    trainer.fit(Tiny(), DataLoader(data, batch_size=4))
+    return DataLoader(TensorDataset(torch.randn(64, 4, generator=g), torch.randint(0, 3, (64,), generator=g)),
+                      batch_size=4)
+
+
+def _fit(steps: int) -> L.Trainer:
+    trainer = _trainer(steps)
+    trainer.fit(Tiny(), _data())
     return trainer
 
 
@@ -95,3 +119,72 @@ def test_a_forked_worker_runs_the_interpreters_exit_steps_before_leaving():
               "os._exit(0)\n")
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     assert done.stdout.split("\n")[:3] == ["thread done", "atexit ran", "then leaving"], done.stdout + done.stderr
+
+
+def test_optimizer_state_moves_to_a_device_but_its_step_counter_stays():
+    net = nn.Linear(4, 3)
+    optimizer = torch.optim.Adam(net.parameters())
+    net(torch.randn(2, 4)).sum().backward()
+    optimizer.step()
+    optimizers_to_device([optimizer], torch.device("meta"))
+    state = optimizer.state[net.weight]
+    assert state["exp_avg"].device.type == "meta" and state["step"].device.type == "cpu"
+
+
+def test_a_dataloader_is_rebuilt_around_another_sampler_with_its_other_arguments():
+    loader = DataLoader(TensorDataset(torch.arange(10.0)), batch_size=3, drop_last=True)
+    sampler = RandomSampler(loader.dataset)
+    rebuilt = dataloader_with_sampler(loader, sampler)
+    assert type(rebuilt) is DataLoader and rebuilt.sampler is sampler
+    assert (rebuilt.batch_size, rebuilt.drop_last, rebuilt.dataset) == (3, True, loader.dataset)
+
+
+def test_the_users_sampler_is_found_inside_lightnings_distributed_wrapper():
+    mine = SequentialSampler(range(8))
+    assert users_sampler(DistributedSamplerWrapper(mine, num_replicas=2, rank=0, shuffle=False)) is mine
+    assert users_sampler(mine) is None
+
+
+def test_a_restarted_epoch_loops_replayed_batch_end_is_seen_and_cleared():
+    loop = _fit(2).fit_loop.epoch_loop
+    ready = loop.batch_progress.total.ready
+    assert not replayed_batch_end(loop, ready)  # not restarted
+    loop._skip_next_val = True  # what restoring a state saved after the batch's end sets
+    assert replayed_batch_end(loop, ready) and not loop._skip_next_val
+    assert not replayed_batch_end(loop, ready - 1)  # a batch was taken
+
+
+def test_prepare_data_waits_through_the_strategys_own_wait():
+    waited = []
+    trainer = _trainer(1)
+    wait_in_prepare_data(trainer, waited.append)
+    trainer.fit(Preparing(), _data())
+    assert waited == ["prepare_data.0"]
+
+
+def test_a_python_process_group_carries_a_named_cpu_backend():
+    group = dist.ProcessGroup(0, 1)
+    carry_name(group, timedelta(seconds=5))
+    assert isinstance(group._get_backend(torch.device("cpu")), dist.ProcessGroupGloo)
+
+
+@pytest.mark.skipif(not dist.is_nccl_available(), reason="this torch has no NCCL (CPU build)")
+def test_nccl_options_take_the_collective_timeout():
+    assert nccl_options(timedelta(seconds=7))._timeout == timedelta(seconds=7)
+
+
+def test_importing_torchpass_takes_no_process_wide_hook_and_registers_once_lightning_is_there():
+    script = ("import sys\n"
+              "hooks = (list(sys.meta_path), sys.excepthook)\n"
+              "import torchpass_plugins\n"
+              "assert (list(sys.meta_path), sys.excepthook) == hooks and 'lightning' not in sys.modules\n"
+              "from lightning.pytorch.strategies import StrategyRegistry\n"
+              "assert 'torchpass_ddp' not in StrategyRegistry\n"
+              "torchpass_plugins.register_strategies()\n"
+              "print(sorted(n for n in StrategyRegistry if n.startswith('torchpass')))\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.stdout.strip() == "['torchpass_ddp', 'torchpass_fsdp']", done.stdout + done.stderr
+    after = subprocess.run([sys.executable, "-c", "import lightning, torchpass_plugins\n"
+                            "from lightning.pytorch.strategies import StrategyRegistry\n"
+                            "print('torchpass_fsdp' in StrategyRegistry)"], capture_output=True, text=True, timeout=120)
+    assert after.stdout.strip() == "True", after.stdout + after.stderr

@@ -2,12 +2,25 @@
 
 from __future__ import annotations
 
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
 from omegaconf import OmegaConf
 
-from torchpass_plugins.config import TorchPassConfig, from_mapping, reference, register_configs
+from torchpass_plugins.config import (
+    AgentConfig,
+    HealthSettings,
+    StragglerConfig,
+    TimeoutConfig,
+    TorchPassConfig,
+    from_mapping,
+    in_torchpass_worker,
+    register_configs,
+)
+from torchpass_plugins.config_files import hydra_configs, reference
+from torchpass_plugins.control.launch_config import LaunchConfig
+from torchpass_plugins.control.worker_env import VARIABLE, WorkerEnv
 from torchpass_plugins.errors import ConfigError
 from torchpass_plugins.integrations.lightning.environment import NotUnderTorchPass
 
@@ -66,6 +79,72 @@ def test_hydra_refuses_a_misspelled_key_by_name(tmp_path):
 def test_the_configuration_reference_is_generated_from_the_dataclasses():
     committed = (REPO / "docs" / "configuration.md").read_text()
     assert committed == reference(), "stale: run python -m torchpass_plugins.config > docs/configuration.md"
+
+
+def test_the_strategy_and_callback_yaml_are_generated_from_the_table_trainer_kwargs_uses():
+    for name, text in hydra_configs().items():
+        committed = (REPO / "configs" / name).read_text()
+        assert committed == text, f"stale {name}: run python -m torchpass_plugins.config --write-hydra-configs"
+
+
+def test_the_launch_flags_are_made_from_the_settings_and_launch_argv_round_trips(monkeypatch):
+    from torchpass_plugins import cli
+
+    launched: list[LaunchConfig] = []
+    monkeypatch.setattr(cli, "launch", launched.append)
+    monkeypatch.delenv("TORCHPASS_JOIN_TOKEN", raising=False)
+    cli.main(["launch", "t.py"])
+    assert launched[-1] == LaunchConfig.derive(["t.py"], TorchPassConfig(spares=0), AgentConfig(), token="")
+    # Every setting that has a flag, away from its default:
+    config = TorchPassConfig(spares=2, run_dir="r", max_restarts=1, spare_wait_s=0.0, preload="",
+                             health=HealthSettings("off", 1.0, 70.0, 80.0), timeouts=TimeoutConfig(heartbeat_s=9.0),
+                             stragglers=StragglerConfig(10, 2.0, "migrate"))
+    cli.main(["launch", "--nproc-per-node", "4", "--no-refill", *config.launch_argv(), "t.py", "--x"])
+    expected = LaunchConfig.derive(["t.py", "--x"], config, AgentConfig(nproc_per_node=4, refill=False), token="")
+    assert launched[-1] == expected
+
+
+def test_the_worker_is_told_everything_through_one_variable(monkeypatch):
+    env = WorkerEnv(store="h:1", token="t", worker_id="n0-s1-i0", world_size=3, node_rank=0, local_slot=1,
+                    run_dir="/r", seed=7, heartbeat_interval=0.5, attempt=2, straggler_migrate=True, agent_pid=42)
+    variables = env.to_env()
+    assert list(variables) == [VARIABLE] and WorkerEnv.from_env(variables) == env
+    monkeypatch.delenv(VARIABLE, raising=False)
+    assert not in_torchpass_worker()
+    monkeypatch.setenv(VARIABLE, variables[VARIABLE])
+    assert in_torchpass_worker()
+
+
+def test_one_collective_timeout_per_process_from_the_config_unless_given(monkeypatch):
+    """The runtime is one per process: the first caller's timeout used to win silently over a later one."""
+    from torchpass_plugins.control import worker
+
+    created: list[timedelta] = []
+
+    class Runtime:
+        def __init__(self, env: WorkerEnv, timeout: timedelta) -> None:
+            created.append(timeout)
+
+        def join(self) -> None:
+            pass
+
+    monkeypatch.setattr(worker, "Runtime", Runtime)
+    monkeypatch.setattr(worker, "_RUNTIME", None)
+    monkeypatch.setattr(worker, "_TIMEOUT", None)
+    env = WorkerEnv(store="h:1", token="t", worker_id="w", world_size=1, node_rank=0, local_slot=0, run_dir="",
+                    seed=0, heartbeat_interval=0.5)
+    monkeypatch.setenv(VARIABLE, env.to_env()[VARIABLE])
+    runtime = worker.current_runtime()
+    assert created == [timedelta(seconds=TimeoutConfig.collective_s)]
+    assert worker.current_runtime(TimeoutConfig.collective_s) is runtime is worker.current_runtime()
+    with pytest.raises(ConfigError, match=r"timeout of 300 s \(the default, torchpass.timeouts.collective_s\), but "
+                                          r"a later .* asks for 60 s; .* give each of them the same timeout="):
+        worker.current_runtime(60)
+    monkeypatch.setattr(worker, "_RUNTIME", None)
+    worker.current_runtime(timedelta(seconds=60))
+    with pytest.raises(ConfigError, match=r"timeout of 60 s \(the timeout= given first\), .* asks for 300 s"):
+        worker.current_runtime(300.0)
+    assert created[-1] == timedelta(seconds=60) and len(created) == 2
 
 
 def test_the_search_path_plugin_serves_the_shipped_groups_to_any_app(tmp_path):

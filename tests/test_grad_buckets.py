@@ -8,7 +8,8 @@ import pytest
 import torch
 from torch import nn
 
-from torchpass_plugins.control.membership import Member, WorkerEnv, connect_store
+from torchpass_plugins.control.membership import Member, connect_store
+from torchpass_plugins.control.worker_env import WorkerEnv
 from torchpass_plugins.core.grad_buckets import GradientBuckets
 from torchpass_plugins.core.process_group import ReconfigurableGroup
 

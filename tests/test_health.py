@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 from types import SimpleNamespace
 
 import pytest
@@ -12,9 +13,11 @@ from torchpass_plugins.health.stragglers import StepTimer, stragglers
 from torchpass_plugins.health.watch import (
     DeviceHealth,
     FileHealthSource,
+    Finding,
     HealthConfig,
-    HealthPolicy,
+    HealthThresholds,
     HealthUnavailable,
+    HealthWatch,
     NvmlHealthSource,
 )
 
@@ -116,11 +119,11 @@ def test_nvml_readings_with_unsupported_values_and_xid_events():
     assert (gpu0.temperature_c, gpu0.ecc_uncorrected_aggregate, gpu0.power_w, gpu0.recovery_action) == (61, 3, 250.0, 0)
     assert gpu0.remapped_rows_pending is False and gpu0.xids == ()
     assert gpu1 == DeviceHealth(1, temperature_c=95, xids=(79,))  # NotSupported reads as unknown
-    policy = HealthPolicy()
-    assert policy.evaluate(gpu0) == []
-    actions = policy.evaluate(gpu1)
-    assert [a for a, _ in actions] == ["migrate", "migrate"]
-    assert "GPU 1 at 95 C" in actions[0][1] and "XID 79" in actions[1][1]
+    thresholds = HealthThresholds()
+    assert thresholds.classify(gpu0) == []
+    findings = thresholds.classify(gpu1)
+    assert [f.severity for f in findings] == ["critical", "critical"]
+    assert "GPU 1 at 95 C" in findings[0].why and "XID 79" in findings[1].why
     assert source.read([1])[0].xids == ()  # an event is reported once
     source.close()
     assert nvml.shut
@@ -142,9 +145,10 @@ def test_injected_readings_and_the_policy_thresholds(tmp_path):
     assert source.read([0, 1]) == [DeviceHealth(0), DeviceHealth(1)]  # no file yet: healthy
     path.write_text(json.dumps({"1": {"temperature_c": 88, "ecc_uncorrected_volatile": 2}}))
     _, gpu1 = source.read([0, 1])
-    assert HealthPolicy().evaluate(gpu1) == [("warn", "GPU 1 at 88 C (warn at 85.0 C)"),
-                                             ("migrate", "GPU 1: 2 uncorrectable ECC error(s)")]
-    assert HealthPolicy(temperature_warn_c=None, ecc_uncorrected_migrate=None).evaluate(gpu1) == []
+    assert HealthThresholds().classify(gpu1) == [
+        Finding("degraded", "temperature", "GPU 1 at 88 C (warn at 85.0 C)"),
+        Finding("critical", "ecc", "GPU 1: 2 uncorrectable ECC error(s)")]
+    assert HealthThresholds(temperature_warn_c=None, ecc_uncorrected_migrate=None).classify(gpu1) == []
     path.write_text(json.dumps({"1": {"temprature_c": 99}}))
     with pytest.raises(ValueError, match="unknown health fields"):
         source.read([1])
@@ -169,3 +173,19 @@ def test_stragglers_against_the_median():
     assert stragglers([0.1, 0.1, 0.32], factor=1.5) == [2]
     assert stragglers([0.1, 0.12, 0.13], factor=1.5) == []
     assert stragglers([0.1, 0.0, 0.5], factor=1.5) == []  # a rank without a complete window: no verdict
+
+
+def test_the_watch_reports_critical_findings_every_reading_and_a_degraded_one_once_a_minute(tmp_path):
+    path = tmp_path / "health.json"
+    path.write_text(json.dumps({"0": {"temperature_c": 88}, "1": {"xids": [79]}, "2": {"temperature_c": 99}}))
+    reports, done = [], threading.Event()
+
+    def report(device: int, findings: list[Finding]) -> None:
+        reports.append((device, [(f.severity, f.check) for f in findings]))
+        if len(reports) == 5:
+            done.set()
+
+    watch = HealthWatch(HealthConfig(source=f"file:{path}", interval_s=0.01))
+    watch.run(lambda: [0, 1], report, done)  # device 2 is not watched (its worker was moved off)
+    assert reports == [(0, [("degraded", "temperature")])] + [(1, [("critical", "xid")])] * 4
+    HealthWatch(HealthConfig(source="off")).run(lambda: [0], report, threading.Event())  # returns at once

@@ -11,22 +11,25 @@ import pytest
 import torch
 
 from torchpass_plugins.control.coordinator import Coordinator
-from torchpass_plugins.control.membership import (
+from torchpass_plugins.control.membership import Member, connect_store, prefixed
+from torchpass_plugins.control.policy import Policy
+from torchpass_plugins.control.protocol import (
     ABORT_KEY,
     DONE_KEY,
-    INBOX,
     RESTART_KEY,
     TRAINED_KEY,
-    Member,
+    Exit,
+    Join,
     Roster,
-    WorkerEnv,
+    Stalled,
     assign_key,
-    connect_store,
     evict_key,
-    prefixed,
+    join_key,
     roster_key,
+    send,
     watch_key,
 )
+from torchpass_plugins.control.worker_env import WorkerEnv
 from torchpass_plugins.core.process_group import PeerFailure, ReconfigurableGroup
 from torchpass_plugins.observe.events import EventLog, read_events
 
@@ -38,12 +41,12 @@ def store():
 
 
 def _join(store, worker: str, token: str = "tok") -> None:
-    store.set(f"join/{worker}", token)
-    store.queue_push(INBOX, json.dumps({"join": worker}))
+    store.set(join_key(worker), token)
+    send(store, Join(worker))
 
 
 def _exit(store, worker: str, code: int) -> None:
-    store.queue_push(INBOX, json.dumps({"exit": worker, "code": code, "why": f"code {code}"}))
+    send(store, Exit(worker, code, f"code {code}"))
 
 
 def _assignment(store, worker: str) -> dict:
@@ -110,13 +113,13 @@ def test_a_worker_that_joins_after_the_job_ended_is_told_to_exit(store, tmp_path
 def test_when_every_rank_timed_out_no_one_is_blamed_and_the_job_restarts(store, tmp_path):
     # A stalled rank is one that did not time out with the others; if all did, none is evicted.
     master, s = store
-    c = Coordinator(s, "tok", processes=2, world_size=2, events=EventLog(None), restarts_left=1,
+    c = Coordinator(s, "tok", processes=2, world_size=2, events=EventLog(None), policy=Policy(restarts_left=1),
                     timer_store=prefixed(master.clone()))
     for w in ("n0-s0-i0", "n0-s1-i0"):
         _join(s, w)
     c.poll()
     for w in ("n0-s0-i0", "n0-s1-i0"):
-        s.queue_push(INBOX, json.dumps({"stalled": w, "gen": 0, "grace_s": 0.05, "why": "timed out"}))
+        send(s, Stalled(w, gen=0, grace_s=0.05, why="timed out"))
     c.poll()
     _poll_until(c, s, RESTART_KEY)  # the verdict arrives through the inbox once the grace has passed
     assert "every rank's collective timed out in generation 0" in s.get(RESTART_KEY).decode()
@@ -133,7 +136,7 @@ def _poll_until(c: Coordinator, store, key: str, timeout: float = 10.0) -> None:
 def test_more_ranks_lost_than_spares_wait_for_refilled_workers_then_all_are_replaced(store, tmp_path):
     master, s = store
     c = Coordinator(s, "tok", processes=4, world_size=3, events=EventLog(tmp_path / "events.jsonl"),
-                    restarts_left=1, timer_store=prefixed(master.clone()), spare_wait_s=30)
+                    policy=Policy(restarts_left=1, spare_wait_s=30), timer_store=prefixed(master.clone()))
     for w in ("n0-s0-i0", "n0-s1-i0", "n0-s2-i0", "n0-s3-i0"):
         _join(s, w)
     c.poll()
@@ -152,8 +155,8 @@ def test_more_ranks_lost_than_spares_wait_for_refilled_workers_then_all_are_repl
 
 def test_when_no_refilled_worker_joins_in_time_the_job_restarts(store, tmp_path):
     master, s = store
-    c = Coordinator(s, "tok", processes=3, world_size=2, events=EventLog(None), restarts_left=1,
-                    timer_store=prefixed(master.clone()), spare_wait_s=0.2)
+    c = Coordinator(s, "tok", processes=3, world_size=2, events=EventLog(None),
+                    policy=Policy(restarts_left=1, spare_wait_s=0.2), timer_store=prefixed(master.clone()))
     for w in ("n0-s0-i0", "n0-s1-i0", "n0-s2-i0"):
         _join(s, w)
     c.poll()
@@ -168,7 +171,7 @@ def test_when_no_refilled_worker_joins_in_time_the_job_restarts(store, tmp_path)
 def test_a_worker_lost_after_training_completed_is_not_replaced(store, tmp_path):
     # Its peers passed the barrier ending fit with it: a spare would wait for peers that are leaving.
     _, s = store
-    c = Coordinator(s, "tok", processes=3, world_size=2, events=EventLog(None), restarts_left=3)
+    c = Coordinator(s, "tok", processes=3, world_size=2, events=EventLog(None), policy=Policy(restarts_left=3))
     for w in ("n0-s0-i0", "n0-s1-i0", "n0-s2-i0"):
         _join(s, w)
     c.poll()

@@ -15,7 +15,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from torchpass_plugins.control.membership import Member, WorkerEnv, connect_store
+from torchpass_plugins.control.membership import Member, connect_store
+from torchpass_plugins.control.worker_env import WorkerEnv
 from torchpass_plugins.core import backends
 from torchpass_plugins.core.backends import (
     AbortHung,
@@ -47,12 +48,14 @@ class _Recording(GlooBackend):
 
     def __init__(self, hang: bool = False) -> None:
         self.aborted: list = []
+        self.built: list = []
         self.prefixes: list[str] = []
         self._hang = threading.Event() if hang else None
 
     def build(self, store, rank, world_size, timeout):
         self.prefixes.append(store)
-        return super().build(store, rank, world_size, timeout)
+        self.built.append(super().build(store, rank, world_size, timeout))
+        return self.built[-1]
 
     def abort(self, group) -> None:
         self.aborted.append(group)
@@ -65,12 +68,12 @@ def test_each_generation_is_a_new_group_and_the_old_one_is_aborted_first():
     backend = group.backends["cpu"] = _Recording()
     assert group.errored() == "no group built yet"
     group.configure(0, 0)
-    first = group._groups["cpu"]
+    [first] = backend.built
     t = torch.ones(3)
     group.all_reduce(t)
     assert group.errored() is None and torch.equal(t, torch.ones(3))
     group.configure(1, 0)
-    assert backend.aborted == [first] and group._groups["cpu"] is not first and group.gen == 1
+    assert backend.aborted == [first] and len(backend.built) == 2 and group.gen == 1
     group.all_reduce(t)
 
 

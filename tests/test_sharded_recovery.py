@@ -73,7 +73,8 @@ class _Fetcher:
 
 
 def test_replay_hands_out_the_batches_of_a_step_again():
-    fetcher = ReplayFetcher(_Fetcher(6), first_tag=0)
+    wrapped = _Fetcher(6)
+    fetcher = ReplayFetcher(wrapped, first_tag=0)
     taken = []
     for step in range(3):
         fetcher.tag = step
@@ -83,7 +84,7 @@ def test_replay_hands_out_the_batches_of_a_step_again():
     assert [next(fetcher) for _ in range(4)] == [2, 3, 4, 5]
     assert fetcher.done
     fetcher.fetched = 7  # attributes other than next/done are the wrapped fetcher's
-    assert fetcher._fetcher.fetched == 7
+    assert wrapped.fetched == 7
 
 
 def test_replay_refuses_steps_it_no_longer_holds():

@@ -38,9 +38,10 @@ def s3_endpoint():
     """A real S3-compatible server (moto) on 127.0.0.1, with one bucket."""
     from moto.server import ThreadedMotoServer
 
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=free_port(), verbose=False)
+    port = free_port()
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
     server.start()
-    endpoint = f"http://127.0.0.1:{server._port}"
+    endpoint = f"http://127.0.0.1:{port}"
     s3fs.S3FileSystem(endpoint_url=endpoint, key="test", secret="test").mkdir("snapshots")
     yield endpoint
     server.stop()

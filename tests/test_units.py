@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import re
 from pathlib import Path
@@ -9,7 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from torchpass_plugins.control.agent import LaunchConfig
+from torchpass_plugins.config import AgentConfig, TorchPassConfig
+from torchpass_plugins.control.launch_config import LaunchConfig
 from torchpass_plugins.core import rng
 from torchpass_plugins.testing.faults import Fault
 
@@ -53,13 +55,15 @@ def test_fault_parse():
     ],
 )
 def test_launch_config_rejects_impossible_layouts(changes, message):
-    config = LaunchConfig(command=["train.py"], **{"nproc_per_node": 4, **changes})
+    derived = LaunchConfig.derive(["train.py"], TorchPassConfig(spares=0), AgentConfig(nproc_per_node=4), token="")
+    config = dataclasses.replace(derived, **changes)
     with pytest.raises(ValueError, match=message):
         config.validate()
 
 
 def test_launch_config_counts_active_ranks():
-    config = LaunchConfig(command=["t.py"], nproc_per_node=3, nnodes=2, spares=2, token="t", rdzv_endpoint="h:29500")
+    config = LaunchConfig.derive(["t.py"], TorchPassConfig(spares=2),
+                                 AgentConfig(nproc_per_node=3, nnodes=2, rdzv_endpoint="h:29500"), token="t")
     config.validate()
     assert (config.processes, config.world_size) == (6, 4)
 

@@ -1,17 +1,17 @@
 """torchpass-plugins: hot spares and live recovery for PyTorch Lightning and Accelerate.
 
-Importing the package registers the strategy names (Lightning has no entry point for strategies): at once
-if Lightning is imported already, else as soon as ``lightning.pytorch`` has been imported. So processes
-that never train (the ``torchpass`` launcher, which supervises workers) do not pay for importing
-Lightning, and the public classes are loaded when first used.
+The strategy names ``"torchpass_ddp"`` and ``"torchpass_fsdp"`` are registered with Lightning's
+``StrategyRegistry`` by :func:`register_strategies`: on importing this package when Lightning is imported
+already (``import lightning`` first, as a Lightning script does), and, in every worker that
+``torchpass launch`` starts, by the worker's entry before the script runs. The package itself never
+imports Lightning, so processes that never train (the ``torchpass`` launcher, which supervises workers)
+do not pay its import (about 4 s of CPU); the public classes are loaded when first used.
 """
 
 from __future__ import annotations
 
 import functools
 import importlib
-import importlib.abc
-import importlib.util
 import sys
 from typing import Any
 
@@ -24,7 +24,7 @@ _EXPORTS = {
     "TorchPassEnvironment": "torchpass_plugins.integrations.lightning.environment",
     "TorchPass": "torchpass_plugins.integrations.accelerate.loop",
 }
-__all__ = [*_EXPORTS, "__version__"]
+__all__ = [*_EXPORTS, "__version__", "register_strategies"]
 
 
 def __getattr__(name: str) -> Any:
@@ -43,8 +43,11 @@ def _build(class_name: str, **kwargs: Any) -> Any:
     return getattr(importlib.import_module("torchpass_plugins.integrations.lightning"), class_name)(**kwargs)
 
 
-def _register() -> None:
-    """Register factories, so that registering imports nothing of ours (Lightning may be mid-import)."""
+def register_strategies() -> None:
+    """Register ``"torchpass_ddp"`` and ``"torchpass_fsdp"`` with Lightning's ``StrategyRegistry`` (importing
+    Lightning), as factories: registering imports nothing of torchpass's own. Importing this package calls
+    it when Lightning is imported already, and a worker ``torchpass launch`` started has it called before
+    its script runs; a script that imports this package before Lightning elsewhere calls it itself."""
     from lightning.pytorch.strategies import StrategyRegistry
 
     for name, (class_name, description) in _STRATEGIES.items():
@@ -52,27 +55,5 @@ def _register() -> None:
             StrategyRegistry.register(name, functools.partial(_build, class_name), description=description)
 
 
-class _RegisterAfterLightning(importlib.abc.MetaPathFinder):
-    """Runs :func:`_register` right after the ``lightning.pytorch`` package has finished importing."""
-
-    def find_spec(self, name, path, target=None):
-        if name != "lightning.pytorch":
-            return None
-        sys.meta_path.remove(self)
-        spec = importlib.util.find_spec(name)
-        if spec is None or spec.loader is None:
-            return spec
-        exec_module = spec.loader.exec_module
-
-        def exec_then_register(module) -> None:
-            exec_module(module)
-            _register()
-
-        spec.loader.exec_module = exec_then_register
-        return spec
-
-
 if "lightning.pytorch" in sys.modules:
-    _register()
-elif not any(isinstance(f, _RegisterAfterLightning) for f in sys.meta_path):
-    sys.meta_path.insert(0, _RegisterAfterLightning())
+    register_strategies()

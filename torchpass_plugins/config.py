@@ -1,76 +1,113 @@
-"""Everything a user configures, as one dataclass tree (Hydra structured config, group ``torchpass``).
+"""Everything a user configures, as one dataclass tree (Hydra structured config, group ``torchpass``): the one
+place where every default is written.
 
 ``TorchPassConfig`` holds what the launcher needs (spares, health, stragglers, timeouts, run directory,
-telemetry) and what the training script needs (strategy mode, replication, snapshots); ``launch_argv``
-and ``trainer_kwargs`` turn it into each. ``validate`` names the key and the allowed values of any bad
-setting. ``docs/configuration.md`` is generated from these classes (``python -m torchpass_plugins.config``)
-and a test fails when it is stale.
+telemetry) and what the training script needs (strategy mode, replication, snapshots); ``AgentConfig`` holds
+what only ``torchpass launch`` is told (this node's place in the job). Each field carries its help text, and a
+launcher setting its flag: the flags of ``torchpass launch`` and ``python -m torchpass_plugins.run`` are made
+from them, as are ``launch_argv``, the agent's ``LaunchConfig`` and the worker's environment. ``trainer_kwargs``
+and the shipped strategy and callback YAML are made from one table (``STRATEGIES``, ``CALLBACK``).
+``validate`` names the key and the allowed values of any bad setting. ``docs/configuration.md`` and that YAML
+are generated (``python -m torchpass_plugins.config``, ``torchpass_plugins/config_files.py``); a test fails
+when either is stale.
 """
 
 from __future__ import annotations
 
+import importlib
 import sys
-from dataclasses import MISSING, dataclass, field, fields, is_dataclass
+import typing
+from collections.abc import Iterator
+from dataclasses import MISSING, Field, dataclass, field, fields, is_dataclass
 from typing import Any, Optional
 
 from torchpass_plugins.errors import ConfigError
 from torchpass_plugins.health.watch import is_source
 
 
+def setting(default: Any, doc: str, flag: str | None = None, choices: tuple | None = None,
+            launch_default: Any = MISSING) -> Any:
+    """A field with its help text; ``flag``: the launcher flag that sets it; ``choices``: its allowed values;
+    ``launch_default``: what ``torchpass launch`` assumes when the flag is left out, where that differs from the
+    config's default (a bare launch is torchrun-like: no spares unless asked for)."""
+    metadata = {"doc": doc, "flag": flag, "choices": choices}
+    if launch_default is not MISSING:
+        metadata["launch_default"] = launch_default
+    return field(default=default, metadata=metadata)
+
+
 @dataclass
 class ReplicationConfig:
     """``torchpass_fsdp``: each rank's shard is copied to its ring successor."""
 
-    every_n_steps: int = 1  # refresh interval of the ring replica; 0 turns replication off
+    every_n_steps: int = setting(1, "refresh interval of the ring replica; 0 turns replication off")
 
 
 @dataclass
 class SnapshotConfig:
     """Background job-wide snapshots, the fallback when live recovery is impossible."""
 
-    dir: Optional[str] = None  # path or fsspec URL (s3://..., memory://...); None: no snapshots
-    every_n_steps: int = 0  # 0: never
-    keep: int = 3  # newest committed snapshots kept
-    when_busy: str = "skip"  # the previous one is still being written: skip | wait
-    timeout_s: float = 600.0  # the longest one may take to land; past it, at the end of training, it is abandoned
+    dir: Optional[str] = setting(None, "path or fsspec URL (s3://..., memory://...); None: no snapshots")
+    every_n_steps: int = setting(0, "0: never")
+    keep: int = setting(3, "newest committed snapshots kept")
+    when_busy: str = setting("skip", "the previous one is still being written", choices=("skip", "wait"))
+    timeout_s: float = setting(600.0, "the longest one may take to land; past it, at the end of training, it is "
+                                      "abandoned")
 
 
 @dataclass
 class HealthSettings:
     """The agent's device health watch."""
 
-    source: str = "nvml"  # nvml | file:PATH (injected readings) | off
-    interval_s: float = 5.0
-    temperature_warn_c: Optional[float] = 85.0
-    temperature_migrate_c: Optional[float] = 92.0  # a worker on a hotter GPU moves to a spare
+    source: str = setting("nvml", "GPU health readings: nvml, file:PATH (JSON {device: {field: value}}, for "
+                                  "drills), or off", "--health-source")
+    interval_s: float = setting(5.0, "seconds between health readings", "--health-interval")
+    temperature_warn_c: Optional[float] = setting(85.0, "deg C from which a worker's GPU is logged as hot",
+                                                  "--temperature-warn")
+    temperature_migrate_c: Optional[float] = setting(92.0, "deg C from which a worker is moved off its GPU to a "
+                                                           "spare", "--temperature-migrate")
 
 
 @dataclass
 class StragglerConfig:
-    window: int = 50  # steps per verdict; 0: off
-    factor: float = 1.5  # flagged above factor x the median compute time per step
-    policy: str = "warn"  # warn | migrate
+    window: int = setting(50, "steps per straggler verdict (0: off)", "--straggler-window")
+    factor: float = setting(1.5, "a rank whose compute time per step exceeds the median by this factor is a "
+                                 "straggler", "--straggler-factor")
+    policy: str = setting("warn", "log a straggler, or also move it to a spare", "--straggler-policy",
+                          choices=("warn", "migrate"))
 
 
 @dataclass
 class TimeoutConfig:
-    collective_s: float = 300.0  # a process group's own timeout (failures are detected sooner)
-    heartbeat_s: float = 30.0  # a silent worker is SIGKILLed after this long
+    collective_s: float = setting(300.0, "a process group's own timeout (failures are detected sooner); the "
+                                         "default of every strategy's, TorchPassEnvironment's and TorchPass's "
+                                         "timeout=")
+    heartbeat_s: float = setting(30.0, "seconds without a beat before a worker (or a node's agent) is written "
+                                       "off; a worker is SIGKILLed", "--heartbeat-timeout")
 
 
 @dataclass
 class TelemetryConfig:
-    metrics_addr: Optional[str] = None  # HOST:PORT of node 0's Prometheus endpoint
+    metrics_addr: Optional[str] = setting(None, "HOST:PORT for node 0's Prometheus endpoint (needs the 'metrics' "
+                                                "extra); off by default", "--metrics-addr")
 
 
 @dataclass
 class TorchPassConfig:
-    enabled: bool = True  # false: plain Lightning, no torchpass code on the path
-    mode: str = "ddp"  # ddp | fsdp
-    spares: int = 1  # processes that wait to replace failed ones (job-wide)
-    run_dir: str = "torchpass_runs/latest"  # events.jsonl and the report go here
-    max_restarts: int = 3  # whole-job restarts (from the newest snapshot) when live recovery is impossible
-    process_group_backend: Optional[str] = None  # for CUDA tensors: nccl (null: on GPUs) | gloo (ranks sharing a GPU)
+    enabled: bool = setting(True, "false: plain Lightning, no torchpass code on the path")
+    mode: str = setting("ddp", "the strategy", choices=("ddp", "fsdp"))
+    spares: int = setting(1, "workers that wait to replace failed ones (job-wide)", "--spares", launch_default=0)
+    run_dir: str = setting("torchpass_runs/latest", "where events.jsonl and the report go", "--run-dir")
+    max_restarts: int = setting(3, "restarts of the whole job when a failure no spare can fix happens (it resumes "
+                                   "from its newest snapshot); 0: stop instead", "--max-restarts")
+    spare_wait_s: float = setting(20.0, "when more workers are lost than spares are free, seconds to wait for "
+                                        "refilled workers to join the pool before restarting (0: restart at once)",
+                                  "--spare-wait")
+    preload: str = setting("torch,lightning.pytorch", "modules a per-node fork server imports once; every worker "
+                                                      "is forked from it and starts in milliseconds ('': start "
+                                                      "each worker as a fresh interpreter)", "--preload")
+    process_group_backend: Optional[str] = setting(None, "for CUDA tensors (null: nccl on GPUs; gloo lets ranks "
+                                                         "share a GPU)", choices=(None, "gloo", "nccl"))
     replication: ReplicationConfig = field(default_factory=ReplicationConfig)
     snapshots: SnapshotConfig = field(default_factory=SnapshotConfig)
     health: HealthSettings = field(default_factory=HealthSettings)
@@ -84,18 +121,14 @@ class TorchPassConfig:
         def bad(key: str, value: Any, allowed: str) -> None:
             raise ConfigError(f"torchpass config: {key}={value!r} is not allowed; use {allowed}")
 
-        choices = {"mode": ("ddp", "fsdp"), "snapshots.when_busy": ("skip", "wait"),
-                   "stragglers.policy": ("warn", "migrate")}
-        for key, allowed in choices.items():
-            value = _get(self, key)
-            if value not in allowed:
-                bad(key, value, " | ".join(allowed))
-        if self.process_group_backend not in (None, "gloo", "nccl"):
-            bad("process_group_backend", self.process_group_backend, "null | gloo | nccl")
+        for key, f, _ in settings(TorchPassConfig):
+            allowed = f.metadata["choices"]
+            if allowed is not None and _get(self, key) not in allowed:
+                bad(key, _get(self, key), " | ".join("null" if c is None else c for c in allowed))
         for key in ("spares", "max_restarts", "replication.every_n_steps", "snapshots.every_n_steps",
-                    "stragglers.window"):
+                    "stragglers.window", "spare_wait_s"):
             if _get(self, key) < 0:
-                bad(key, _get(self, key), "an integer >= 0")
+                bad(key, _get(self, key), "an integer >= 0" if isinstance(_get(self, key), int) else "a number >= 0")
         if self.snapshots.keep < 1:
             bad("snapshots.keep", self.snapshots.keep, "an integer >= 1")
         if self.snapshots.every_n_steps and not self.snapshots.dir:
@@ -111,35 +144,73 @@ class TorchPassConfig:
 
     def launch_argv(self) -> list[str]:
         """The ``torchpass launch`` flags this config asks for (before the script)."""
-        argv = ["--spares", str(self.spares), "--run-dir", self.run_dir, "--max-restarts", str(self.max_restarts),
-                "--heartbeat-timeout", str(self.timeouts.heartbeat_s), "--health-source", self.health.source,
-                "--health-interval", str(self.health.interval_s), "--straggler-window", str(self.stragglers.window),
-                "--straggler-factor", str(self.stragglers.factor), "--straggler-policy", self.stragglers.policy]
-        for flag, value in (("--temperature-warn", self.health.temperature_warn_c),
-                            ("--temperature-migrate", self.health.temperature_migrate_c),
-                            ("--metrics-addr", self.telemetry.metrics_addr)):
-            if value is not None:
-                argv += [flag, str(value)]
+        argv = []
+        for key, f, _ in settings(TorchPassConfig):
+            if f.metadata["flag"] and _get(self, key) is not None:
+                argv += [f.metadata["flag"], str(_get(self, key))]
         return argv
 
     def trainer_kwargs(self) -> dict[str, Any]:
-        """``strategy`` and ``callbacks`` for ``lightning.Trainer`` (empty when disabled)."""
+        """``strategy`` and ``callbacks`` for ``lightning.Trainer`` (empty when disabled): the objects that the
+        shipped ``strategy=torchpass_*`` and ``callbacks=torchpass`` YAML instantiate, from the same table."""
         if not self.enabled:
             return {}
-        from torchpass_plugins.integrations.lightning import TorchPassDDPStrategy, TorchPassFSDPStrategy
-        from torchpass_plugins.integrations.lightning.callback import TorchPassCallback
+        return {"strategy": self._build(*STRATEGIES[self.mode]), "callbacks": [self._build(*CALLBACK)]}
 
-        if self.mode == "fsdp":
-            strategy = TorchPassFSDPStrategy(timeout=self.timeouts.collective_s,
-                                             replicate_every_n_steps=self.replication.every_n_steps,
-                                             process_group_backend=self.process_group_backend)
-        else:
-            strategy = TorchPassDDPStrategy(timeout=self.timeouts.collective_s,
-                                            process_group_backend=self.process_group_backend)
-        s = self.snapshots
-        callback = TorchPassCallback(snapshot_dir=s.dir, snapshot_every_n_steps=s.every_n_steps, snapshot_keep=s.keep,
-                                     snapshot_when_busy=s.when_busy, snapshot_timeout=s.timeout_s)
-        return {"strategy": strategy, "callbacks": [callback]}
+    def _build(self, target: str, arguments: dict[str, str]) -> Any:
+        module, _, name = target.rpartition(".")
+        return getattr(importlib.import_module(module), name)(**{a: _get(self, k) for a, k in arguments.items()})
+
+
+@dataclass
+class AgentConfig:
+    """This node's place in the job and its agent's pace: flags only, not Hydra keys. Under torchrun,
+    ``python -m torchpass_plugins.run`` takes the layout from torchrun and the rest from these defaults."""
+
+    nproc_per_node: int = setting(1, "worker processes on this node, spares included", "--nproc-per-node")
+    nnodes: int = setting(1, "nodes of the job", "--nnodes")
+    node_rank: int = setting(0, "this node's index among them", "--node-rank")
+    rdzv_endpoint: str = setting("127.0.0.1:0", "HOST:PORT of node 0's store, which listens on HOST's interface "
+                                                "only (port 0: any free)", "--rdzv-endpoint")
+    rdzv_timeout_s: float = setting(300.0, "seconds an agent tries to reach node 0's store", "--rdzv-timeout")
+    heartbeat_interval_s: float = setting(0.5, "seconds between a worker's heartbeats and its agent's checks",
+                                          "--heartbeat-interval")
+    refill: bool = setting(True, "restart failed slots as spares (--no-refill: do not)", "--no-refill")
+    seed: Optional[int] = setting(None, "job seed for per-step RNG (default: from PL_GLOBAL_SEED)", "--seed")
+
+
+# The strategy (per mode) and the callback that ``trainer_kwargs`` builds and the shipped YAML instantiates:
+# each class and, for each of its arguments, the setting it takes.
+STRATEGIES = {
+    "ddp": ("torchpass_plugins.TorchPassDDPStrategy",
+            {"timeout": "timeouts.collective_s", "process_group_backend": "process_group_backend"}),
+    "fsdp": ("torchpass_plugins.TorchPassFSDPStrategy",
+             {"timeout": "timeouts.collective_s", "replicate_every_n_steps": "replication.every_n_steps",
+              "process_group_backend": "process_group_backend"}),
+}
+CALLBACK = ("torchpass_plugins.TorchPassCallback",
+            {"snapshot_dir": "snapshots.dir", "snapshot_every_n_steps": "snapshots.every_n_steps",
+             "snapshot_keep": "snapshots.keep", "snapshot_when_busy": "snapshots.when_busy",
+             "snapshot_timeout": "snapshots.timeout_s"})
+
+
+def settings(cls: type, prefix: str = "") -> Iterator[tuple[str, Field, type]]:
+    """Every leaf setting of a config class: its dotted key, its field and its value type (``Optional[X]``: X)."""
+    hints = typing.get_type_hints(cls)
+    for f in fields(cls):
+        if f.default_factory is not MISSING:
+            yield from settings(hints[f.name], f"{prefix}{f.name}.")
+            continue
+        kind = hints[f.name]
+        yield f"{prefix}{f.name}", f, next((a for a in typing.get_args(kind) if a is not type(None)), kind)
+
+
+def in_torchpass_worker() -> bool:
+    """Whether this process is a worker that ``torchpass launch`` (or its torchrun supervisor) started: a script
+    that launches itself trains when it is, and runs the launcher otherwise."""
+    from torchpass_plugins.control.worker_env import WorkerEnv
+
+    return WorkerEnv.from_env() is not None
 
 
 def _get(obj: Any, dotted: str) -> Any:
@@ -177,61 +248,7 @@ def register_configs() -> None:
     ConfigStore.instance().store(name="torchpass_schema", node=TorchPassConfig)
 
 
-def reference() -> str:
-    """The configuration reference, generated from the dataclasses and their comments."""
-    import inspect
-
-    lines = ["# Configuration reference", "",
-             "Generated from `torchpass_plugins/config.py` by `python -m torchpass_plugins.config > "
-             "docs/configuration.md`; a test fails when it is stale. Keys are under `torchpass.` in Hydra.", ""]
-
-    def comments(cls: type) -> dict[str, str]:
-        found = {}
-        for line in inspect.getsource(cls).splitlines():
-            name, _, rest = line.strip().partition(":")
-            if "#" in rest and name.isidentifier():
-                found[name] = rest.split("#", 1)[1].strip()
-        return found
-
-    def section(cls: type, prefix: str) -> None:
-        doc = (cls.__doc__ or "").strip()
-        title = prefix.rstrip(".") or "torchpass"
-        lines.extend([f"## `{title}`", ""] + ([doc, ""] if doc and not doc.startswith(cls.__name__ + "(") else []))
-        lines.extend(["| key | default | meaning |", "|---|---|---|"])
-        nested = []
-        notes = comments(cls)
-        for f in fields(cls):
-            if f.default_factory is not MISSING:
-                nested.append((f.default_factory, f"{prefix}{f.name}."))
-                continue
-            meaning = notes.get(f.name, "").replace("|", "\\|")  # a pipe would end the table cell
-            lines.append(f"| `{prefix}{f.name}` | `{f.default!r}` | {meaning} |")
-        lines.append("")
-        for factory, sub in nested:
-            section(factory, sub)
-
-    section(TorchPassConfig, "")
-    lines.extend(_presets())
-    return "\n".join(lines)
-
-
-def _presets() -> list[str]:
-    """The shipped presets (``configs/torchpass/*.yaml``), each as the settings it changes."""
-    from importlib.resources import files
-
-    import yaml
-
-    lines = ["## Presets", "",
-             "`torchpass=NAME` picks one of the YAML files of the config group `torchpass` that ships with the "
-             "package (`configs/torchpass/`, found by Hydra through the search-path plugin); each is the schema "
-             "above with these settings:", ""]
-    for path in sorted(files("torchpass_plugins.configs").joinpath("torchpass").iterdir(), key=lambda p: p.name):
-        if path.name.endswith(".yaml"):
-            settings = yaml.safe_load(path.read_text())
-            changed = ", ".join(f"`{yaml.safe_dump({k: v}).strip()}`" for k, v in settings.items() if k != "defaults")
-            lines.append(f"- `torchpass={path.name[:-5]}`: {changed}")
-    return [*lines, ""]
-
-
 if __name__ == "__main__":
-    sys.stdout.write(reference())
+    from torchpass_plugins.config_files import main
+
+    sys.exit(main(sys.argv[1:]))

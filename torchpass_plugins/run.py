@@ -19,8 +19,10 @@ import hashlib
 import os
 import sys
 
-from torchpass_plugins.cli import add_job_flags, job_config
-from torchpass_plugins.control.agent import LaunchConfig, launch
+from torchpass_plugins.cli import add_job_flags, command, from_flags
+from torchpass_plugins.config import AgentConfig, TorchPassConfig
+from torchpass_plugins.control.agent import launch
+from torchpass_plugins.control.launch_config import LaunchConfig
 
 # torchrun's view of this process: the script must not mistake it for its own (its ranks are torchpass's).
 _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
@@ -40,11 +42,11 @@ def config_from_torchrun(argv: list[str], environ: dict[str, str]) -> LaunchConf
     # Every supervisor of the job derives the same join token (unless one is given).
     token = environ.get("TORCHPASS_JOIN_TOKEN") or hashlib.sha256(
         f"{run_id}|{environ['MASTER_ADDR']}|{environ['MASTER_PORT']}".encode()).hexdigest()[:32]
-    return LaunchConfig(
-        nproc_per_node=1, nnodes=int(environ["WORLD_SIZE"]), node_rank=int(environ["RANK"]),
-        rdzv_endpoint=f"{environ['MASTER_ADDR']}:{environ['MASTER_PORT']}", token=token,
-        first_slot=int(environ["LOCAL_RANK"]), external_store=True, **job_config(ns),
-    )
+    # torchrun's layout: each of its processes is a one-slot node of the job; the rest at AgentConfig's defaults.
+    layout = AgentConfig(nproc_per_node=1, nnodes=int(environ["WORLD_SIZE"]), node_rank=int(environ["RANK"]),
+                         rdzv_endpoint=f"{environ['MASTER_ADDR']}:{environ['MASTER_PORT']}")
+    return LaunchConfig.derive(command(ns), from_flags(ns, TorchPassConfig), layout, token=token,
+                               first_slot=int(environ["LOCAL_RANK"]), external_store=True)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -22,8 +22,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from torchpass_plugins.config import TorchPassConfig, from_mapping
-from torchpass_plugins.control.membership import WorkerEnv
+from torchpass_plugins.config import TorchPassConfig, from_mapping, in_torchpass_worker
 from torchpass_plugins.errors import ConfigError
 
 
@@ -33,7 +32,7 @@ def main(cfg: DictConfig) -> None:
         torchpass = from_mapping(OmegaConf.to_container(cfg.torchpass, resolve=True))
     except ConfigError as exc:
         sys.exit(f"error: {exc}")
-    if torchpass.enabled and WorkerEnv.from_env() is None:
+    if torchpass.enabled and not in_torchpass_worker():
         code = relaunch(cfg, torchpass)
         if code:
             sys.exit(code)

@@ -1,5 +1,5 @@
 """The interpreter's own exit steps, for a forked worker that must then leave with ``os._exit`` (checked
-against CPython 3.10-3.13).
+against CPython 3.11.7; ``tests/test_compat.py`` fails when they change).
 
 A worker forked by the fork server shares its parent's imported modules, so it must not run the normal
 interpreter teardown (which would tear those modules down); but what ``sys.exit`` does first, joining

@@ -1,11 +1,17 @@
-"""Lightning's per-rank logging state, read and written as plain data (checked against lightning 2.4-2.6).
+"""Lightning's internals that torchpass needs and Lightning has no public route for (checked against
+lightning 2.6.6; ``tests/test_compat.py`` fails when one changes).
 
-What a rank logged with ``self.log`` lives in the train loop's ``_ResultCollection`` (one ``_ResultMetric``
-per key: the running sum and batch count of an ``on_epoch`` value, the last ``on_step`` value) and in the
-logger connector's ``callback_metrics``; a torchmetrics ``Metric`` keeps its counts in its own states.
+A rank's logging state, read and written as plain data: what a rank logged with ``self.log`` lives in the
+train loop's ``_ResultCollection`` (one ``_ResultMetric`` per key: the running sum and batch count of an
+``on_epoch`` value, the last ``on_step`` value) and in the logger connector's ``callback_metrics``; a
+torchmetrics ``Metric`` keeps its counts in its own states.
 None of it is in a checkpoint, and all of it differs between ranks. :func:`rank_local_state` captures it as
 nested dicts of tensors and plain values (so it travels like any other state), and
 :func:`load_rank_local_state` puts it back, creating the result entries a fresh process has not logged yet.
+
+Also: what Lightning's own strategies use without a public name (moving optimizer state to a device,
+rebuilding a ``DataLoader`` around another sampler), the sampler wrapper, the restarted epoch loop, the
+layer sync, the prepare-data barrier, the checkpoint connector and the loops' progress.
 """
 
 from __future__ import annotations
@@ -15,14 +21,15 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.loops.loop import _Loop
 from lightning.pytorch.plugins import TorchSyncBatchNorm
 from lightning.pytorch.trainer.connectors import data_connector
 from lightning.pytorch.trainer.connectors.logger_connector.result import _Metadata, _ResultMetric, _Sync
+from lightning.pytorch.utilities.data import _update_dataloader
 from torchmetrics import Metric
 
 from torchpass_plugins.errors import ConfigError
-from torchpass_plugins.integrations.lightning.sync_batchnorm import TorchPassSyncBatchNorm
 
 _REDUCE = {"mean": torch.mean, "sum": torch.sum, "max": torch.max, "min": torch.min}
 _META = (
@@ -150,6 +157,9 @@ def replayed_batch_end(loop: Any, ready_before: int) -> bool:
 def apply_layer_sync(strategy: Any, model: Any) -> Any:
     """What Lightning's strategies do at ``setup`` with ``sync_batchnorm=True`` (``strategy._layer_sync``),
     with torchpass's layer sync, which also runs on CPU, in place of Lightning's default one."""
+    # imported here: the strategies import this module, and the package of the layer sync imports them
+    from torchpass_plugins.integrations.lightning.sync_batchnorm import TorchPassSyncBatchNorm
+
     if strategy._layer_sync is None:
         return model
     if type(strategy._layer_sync) is TorchSyncBatchNorm:
@@ -237,3 +247,15 @@ def rewind_loops(fit_loop: _Loop, snapshot: dict) -> None:
                 visit(child, f"{prefix}{name}.")
 
     visit(fit_loop, "")
+
+
+def optimizers_to_device(optimizers: list[torch.optim.Optimizer], device: torch.device) -> None:
+    """Move the optimizers' state to ``device`` as Lightning's strategies do at ``setup`` (``step`` counters
+    stay where the optimizer keeps them)."""
+    _optimizers_to_device(optimizers, device)
+
+
+def dataloader_with_sampler(dataloader: Any, sampler: Any) -> Any:
+    """A new ``DataLoader`` like ``dataloader`` (its class and arguments, as Lightning re-creates loaders to
+    inject its distributed sampler) that draws from ``sampler``."""
+    return _update_dataloader(dataloader, sampler)

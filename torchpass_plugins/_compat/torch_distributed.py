@@ -1,4 +1,5 @@
-"""The private parts of ``torch.distributed`` that torchpass uses, in one place (tested with torch 2.13).
+"""The private parts of ``torch.distributed`` that torchpass uses, in one place (checked against torch
+2.13.0; ``tests/test_compat.py`` fails when they change).
 
 - A Python ``ProcessGroup`` made the default group through ``init_process_group`` needs a backend that
   carries its name, since c10d reads a group's name from one of its backends

@@ -8,8 +8,6 @@ see), and by default starts a fresh worker in the freed slot, which joins the sp
 from __future__ import annotations
 
 import hashlib
-import importlib.util
-import json
 import os
 import secrets
 import signal
@@ -23,104 +21,32 @@ from pathlib import Path
 import torch.distributed as dist
 
 from torchpass_plugins.control.coordinator import Coordinator
-from torchpass_plugins.control.membership import (
+from torchpass_plugins.control.launch_config import LaunchConfig
+from torchpass_plugins.control.membership import connect_store, prefixed
+from torchpass_plugins.control.policy import Action, Policy
+from torchpass_plugins.control.protocol import (
     ABORT_KEY,
-    CONFIG_ERROR_EXIT,
     DONE_KEY,
-    INBOX,
     LEAVING,
-    REJECTED_EXIT,
     RESTART_KEY,
-    UNRECOVERABLE_EXIT,
-    WorkerEnv,
+    Exit,
+    Migrate,
+    NodeLost,
+    Stop,
     agent_beat_key,
-    connect_store,
     evict_key,
     heartbeat_key,
     node_lost_key,
-    prefixed,
+    send,
 )
-from torchpass_plugins.control.zygote import Zygote
-from torchpass_plugins.health.watch import HealthConfig, is_source
+from torchpass_plugins.control.worker_env import WorkerEnv
+from torchpass_plugins.control.zygote import Zygote, worker_command
+from torchpass_plugins.health.watch import Finding, HealthWatch
 from torchpass_plugins.observe.events import EventLog
 from torchpass_plugins.observe.metrics import serve
 
 _TICK = 0.05
 _AGENTS_DONE = "agents_done"
-
-
-@dataclass
-class LaunchConfig:
-    """The flags of ``torchpass launch`` (torchrun-like, plus spares and supervision)."""
-
-    command: list[str]
-    nproc_per_node: int = 1
-    nnodes: int = 1
-    node_rank: int = 0
-    rdzv_endpoint: str = "127.0.0.1:0"
-    rdzv_timeout: float = 300.0  # how long an agent tries to reach node 0's store
-    spares: int = 0
-    run_dir: str = "torchpass_runs/latest"
-    heartbeat_timeout: float = 30.0
-    heartbeat_interval: float = 0.5
-    refill: bool = True
-    token: str = ""
-    seed: int | None = None
-    max_restarts: int = 3
-    spare_wait: float = 20.0  # seconds to wait for a refilled spare when more ranks are lost than spares free
-    health: HealthConfig = field(default_factory=HealthConfig)
-    straggler_window: int = 50
-    straggler_factor: float = 1.5
-    straggler_migrate: bool = False
-    metrics_addr: str | None = None  # HOST:PORT of node 0's Prometheus endpoint
-    # imported once per node by a fork server, which forks every worker (empty: a fresh interpreter each)
-    preload: tuple[str, ...] = ("torch", "lightning.pytorch")
-    first_slot: int = 0  # index of this agent's first slot (its workers' local rank / GPU)
-    external_store: bool = False  # the store at --rdzv-endpoint is someone else's (torchrun's): only connect
-
-    @property
-    def processes(self) -> int:
-        return self.nnodes * self.nproc_per_node
-
-    @property
-    def world_size(self) -> int:
-        return self.processes - self.spares
-
-    def validate(self) -> None:
-        if self.nproc_per_node < 1 or self.nnodes < 1:
-            raise ValueError("--nproc-per-node and --nnodes must be at least 1")
-        if not 0 <= self.node_rank < self.nnodes:
-            raise ValueError(f"--node-rank must be in [0, {self.nnodes}), got {self.node_rank}")
-        if self.spares < 0:
-            raise ValueError(f"--spares must be >= 0, got {self.spares}")
-        if self.spares >= self.processes:
-            raise ValueError(
-                f"--spares {self.spares} leaves no active rank among {self.processes} processes "
-                f"({self.nnodes} node(s) x {self.nproc_per_node}); use fewer spares or more processes"
-            )
-        if self.spare_wait < 0:
-            raise ValueError(f"--spare-wait must be >= 0, got {self.spare_wait}")
-        if self.max_restarts < 0:
-            raise ValueError(f"--max-restarts must be >= 0, got {self.max_restarts}")
-        if self.heartbeat_timeout <= self.heartbeat_interval:
-            raise ValueError("--heartbeat-timeout must exceed the heartbeat interval")
-        if self.nnodes > 1 and not self.token:
-            raise ValueError("multi-node jobs need the same join token on every node: set TORCHPASS_JOIN_TOKEN")
-        if self.nnodes > 1 and self.rdzv_endpoint.endswith(":0"):
-            raise ValueError("multi-node jobs need a fixed --rdzv-endpoint HOST:PORT reachable from every node")
-        if not self.command:
-            raise ValueError("no training script given")
-        if self.straggler_window < 0 or self.straggler_factor <= 1.0:
-            raise ValueError("--straggler-window must be >= 0 (0: off) and --straggler-factor > 1")
-        if self.health.interval_s <= 0:
-            raise ValueError("--health-interval must be > 0")
-        if self.metrics_addr is not None:
-            if importlib.util.find_spec("prometheus_client") is None:
-                raise ValueError("--metrics-addr needs prometheus-client: pip install 'torchpass-plugins[metrics]'")
-            if not self.metrics_addr.rpartition(":")[2].isdigit():
-                raise ValueError(f"--metrics-addr must be HOST:PORT, not {self.metrics_addr!r}")
-        if not is_source(self.health.source):
-            raise ValueError(f"--health-source must be nvml, file:PATH or off, not {self.health.source!r}")
 
 
 @dataclass
@@ -173,8 +99,8 @@ class Agent:
         self._zygote = Zygote(list(cfg.preload)) if cfg.preload else None
         for slot in self.slots:
             self._spawn(slot)
-        watch = threading.Thread(target=self._watch_health, name="torchpass-health", daemon=True)
-        watch.start()
+        threading.Thread(target=HealthWatch(cfg.health).run, args=(self._watched_devices, self._on_device, self._done),
+                         name="torchpass-health", daemon=True).start()
         if cfg.node_rank == 0 and cfg.nnodes > 1 and not cfg.external_store:
             threading.Thread(target=self._watch_nodes, name="torchpass-nodes", daemon=True).start()
         metrics = serve(cfg.metrics_addr, cfg.run_dir) if cfg.metrics_addr and cfg.node_rank == 0 else None
@@ -198,17 +124,19 @@ class Agent:
         """Use the keys of attempt ``self.attempt``; node 0 starts its coordinator."""
         cfg = self.config
         self.store = prefixed(self._client, self.attempt)
+        self.policy = Policy(restarts_left=cfg.max_restarts - self.attempt, spare_wait_s=cfg.spare_wait,
+                             refill=cfg.refill, straggler_migrate=cfg.straggler_migrate,
+                             heartbeat_timeout=cfg.heartbeat_timeout)
         if cfg.node_rank == 0:
             self.coordinator = Coordinator(prefixed(self._client.clone(), self.attempt), self.token, cfg.processes,
-                                           cfg.world_size, self.events, restarts_left=cfg.max_restarts - self.attempt,
-                                           timer_store=prefixed(self._client.clone(), self.attempt),
-                                           spare_wait_s=cfg.spare_wait if cfg.refill else 0.0)
+                                           cfg.world_size, self.events, self.policy,
+                                           timer_store=prefixed(self._client.clone(), self.attempt))
             self._coordinator_thread = threading.Thread(target=self.coordinator.run, daemon=True)
             self._coordinator_thread.start()
 
     def _stop_coordinator(self) -> None:
         if self._coordinator_thread is not None:
-            self.store.queue_push(INBOX, json.dumps({"stop": 1}))
+            send(self.store, Stop())
             self._coordinator_thread.join(timeout=5)
             self._coordinator_thread = None
 
@@ -239,14 +167,13 @@ class Agent:
             node_rank=cfg.node_rank, local_slot=slot.index, run_dir=str(Path(cfg.run_dir).resolve()),
             seed=self.seed, heartbeat_interval=cfg.heartbeat_interval, attempt=self.attempt,
             straggler_window=cfg.straggler_window, straggler_factor=cfg.straggler_factor,
-            straggler_migrate=cfg.straggler_migrate,
+            agent_pid=self._zygote.proc.pid if self._zygote is not None else os.getpid(),
         )
-        parent = self._zygote.proc.pid if self._zygote is not None else os.getpid()
-        worker_env = {**os.environ, **env.to_env(), "PYTHONUNBUFFERED": "1", "TORCHPASS_AGENT_PID": str(parent)}
+        worker_env = {**os.environ, **env.to_env(), "PYTHONUNBUFFERED": "1"}
         if self._zygote is not None:
             slot.proc = self._zygote.spawn(list(cfg.command), worker_env)
         else:
-            slot.proc = subprocess.Popen([sys.executable, "-u", *cfg.command], env=worker_env, start_new_session=True)
+            slot.proc = subprocess.Popen(worker_command(list(cfg.command)), env=worker_env, start_new_session=True)
         slot.beats, slot.last_change = 0, time.monotonic()
         self.events.emit("worker_started", worker=slot.worker_id, pid=slot.proc.pid, slot=slot.index)
 
@@ -288,14 +215,15 @@ class Agent:
                     continue
                 self._report_exit(slot, code)
                 slot.proc = None
-                if code == REJECTED_EXIT:
-                    print(f"torchpass: the job's coordinator at {self.endpoint} refused this node's workers (wrong "
-                          "join token): set the same TORCHPASS_JOIN_TOKEN on every node of the job", file=sys.stderr,
-                          flush=True)
+                healthy = slot.index not in self.unhealthy
+                decision = self.policy.worker_exited(code, job_done=done, device_healthy=healthy)
+                if decision.action is Action.ABORT:
+                    print(f"torchpass: the job's coordinator at {self.endpoint} refused this node's workers "
+                          f"({decision.why}): set the same TORCHPASS_JOIN_TOKEN on every node of the job",
+                          file=sys.stderr, flush=True)
                     return 1
                 next_check = 0.0  # look at the verdict soon after an exit
-                refill = cfg.refill and not done and slot.index not in self.unhealthy
-                if code not in (0, CONFIG_ERROR_EXIT, UNRECOVERABLE_EXIT) and refill:
+                if decision.action is Action.REFILL:
                     slot.incarnation += 1
                     self._spawn(slot)
                     alive += 1
@@ -341,43 +269,33 @@ class Agent:
                 beats = int(store.add(agent_beat_key(node), 0))
                 if beats == 0 or seen.get(node, (None,))[0] != beats:
                     seen[node] = (beats, now)
-                elif now - seen[node][1] > cfg.heartbeat_timeout:
+                elif (decision := self.policy.silence(now - seen[node][1])).action is Action.EVICT:
                     lost.add(node)
-                    why = f"the agent of node {node} was silent for {now - seen[node][1]:.1f} s"
+                    why = f"the agent of node {node} was {decision.why}"
                     self.events.emit("node_lost", node=node, why=why)
                     store.set(node_lost_key(node), why)
-                    store.queue_push(INBOX, json.dumps({"node_lost": node, "why": why}))
+                    send(store, NodeLost(node, why))
 
     # -- device health --------------------------------------------------------------------------------
-    def _watch_health(self) -> None:
-        """Every interval: read the device of each slot (slot i uses GPU i, as its local rank says) and
-        act on the policy: log a warning, or ask the coordinator to move the slot's worker to a spare."""
-        health = self.config.health
-        source = health.open()
-        if source is None:
-            return
-        warned: dict[tuple[int, str], float] = {}
-        try:
-            while not self._done.wait(health.interval_s):
-                slots = [s for s in self.slots if s.proc is not None and s.index not in self.unhealthy]
-                for slot, reading in zip(slots, source.read([s.index for s in slots]), strict=True):
-                    for action, why in health.policy.evaluate(reading):
-                        if action == "migrate":
-                            self._move_off(slot, why)
-                            break
-                        kind = why.split(" (")[0].split(" at ")[0]
-                        if time.monotonic() - warned.get((slot.index, kind), -1e9) > 60:
-                            warned[(slot.index, kind)] = time.monotonic()
-                            self.events.emit("health_warning", worker=slot.worker_id, device=slot.index, why=why)
-        finally:
-            source.close()
+    def _watched_devices(self) -> list[int]:
+        """Slot i uses GPU i (its workers' local rank): the devices of running workers not yet moved off."""
+        return [s.index for s in self.slots if s.proc is not None and s.index not in self.unhealthy]
+
+    def _on_device(self, device: int, findings: list[Finding]) -> None:
+        """Log a warning, or ask the coordinator to move the slot's worker to a spare, as the policy decides."""
+        slot = next(s for s in self.slots if s.index == device)
+        for decision in self.policy.device_findings(findings):
+            if decision.action is Action.MIGRATE:
+                self._move_off(slot, decision.why)
+            else:
+                self.events.emit("health_warning", worker=slot.worker_id, device=slot.index, why=decision.why)
 
     def _move_off(self, slot: _Slot, why: str) -> None:
         self.unhealthy.add(slot.index)
         self.events.emit("health_migrate", worker=slot.worker_id, device=slot.index, why=why)
         print(f"torchpass: moving worker {slot.worker_id} off its device: {why}", file=sys.stderr, flush=True)
         store = prefixed(self._client.clone(), self.attempt)  # this thread's own connection
-        store.queue_push(INBOX, json.dumps({"migrate": slot.worker_id, "why": why}))
+        send(store, Migrate(slot.worker_id, why))
 
     def _check_heartbeat(self, slot: _Slot) -> None:
         if self.store.check([evict_key(slot.worker_id)]):  # alive, but it stalled the others: replaced
@@ -390,7 +308,7 @@ class Agent:
         now = time.monotonic()
         if beats != slot.beats:
             slot.beats, slot.last_change = beats, now
-        elif 0 < beats < LEAVING and now - slot.last_change > self.config.heartbeat_timeout:
+        elif 0 < beats < LEAVING and self.policy.silence(now - slot.last_change).action is Action.EVICT:
             self.events.emit("hang_detected", worker=slot.worker_id, silent_s=now - slot.last_change)
             slot.proc.kill()
             slot.proc.wait()
@@ -398,7 +316,7 @@ class Agent:
     def _report_exit(self, slot: _Slot, code: int) -> None:
         why = f"signal {-code}" if code < 0 else f"exit code {code}"
         self.events.emit("worker_exited", worker=slot.worker_id, code=code, why=why)
-        self.store.queue_push(INBOX, json.dumps({"exit": slot.worker_id, "code": code, "why": why}))
+        send(self.store, Exit(slot.worker_id, code, why))
 
     def _kill_all(self) -> None:
         procs = [s.proc for s in self.slots if s.proc is not None and s.proc.poll() is None]

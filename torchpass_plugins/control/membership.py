@@ -1,8 +1,7 @@
-"""Membership on torch's ``TCPStore``: the keys that the coordinator and the workers share.
+"""Membership on torch's ``TCPStore``: a worker's side of the job (the keys and messages are in ``protocol``).
 
 The coordinator (in the agent of node 0) writes rosters and assignments; workers register, beat, and
-watch for the next roster. Every key lives under one prefix so that a job's keys never mix with other
-users of the same store.
+watch for the next roster.
 """
 
 from __future__ import annotations
@@ -20,7 +19,23 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-PREFIX = "torchpass"
+from torchpass_plugins.control.protocol import (
+    DONE_KEY,
+    DRAIN_KEY,
+    LEAVING,
+    PREFIX,
+    Join,
+    Roster,
+    assign_key,
+    heartbeat_key,
+    join_key,
+    reached_key,
+    roster_key,
+    send,
+    watch_key,
+)
+from torchpass_plugins.control.worker_env import WorkerEnv
+
 _POLL_S = 0.02
 _WATCH_WAIT = timedelta(hours=1)  # a bound only: the coordinator or ``close`` ends the wait
 
@@ -29,15 +44,9 @@ class JobAborted(RuntimeError):
     """The coordinator gave up on the job (for example more failures than spares)."""
 
 
-CONFIG_ERROR_EXIT = 78  # EX_CONFIG: the agent stops the job instead of replacing the worker
-
-
 class Unrecoverable(JobAborted):
     """The members found that no spare can restore the lost state (e.g. a shard and its replica both lost):
     the worker hands the message to the coordinator, which stops the job with it."""
-
-
-UNRECOVERABLE_EXIT = 79  # the message is in ``abort_request_key(worker)``
 
 
 def lost_after_the_step(step: int) -> Unrecoverable:
@@ -55,90 +64,6 @@ def lost_after_the_step(step: int) -> Unrecoverable:
 
 class JoinRejected(PermissionError):
     """The coordinator refused this worker (a wrong join token): its agent stops instead of refilling."""
-
-
-REJECTED_EXIT = 77  # EX_NOPERM
-
-
-def roster_key(gen: int) -> str:
-    return f"roster/{gen}"
-
-
-def assign_key(worker_id: str) -> str:
-    return f"assign/{worker_id}"
-
-
-def abort_request_key(worker_id: str) -> str:
-    return f"abort_request/{worker_id}"
-
-
-def heartbeat_key(worker_id: str) -> str:
-    return f"hb/{worker_id}"
-
-
-def watch_key(worker_id: str, gen: int) -> str:
-    """Set by the coordinator for every worker concerned when roster ``gen`` is published."""
-    return f"watch/{worker_id}/{gen}"
-
-
-LEAVING = 1 << 40  # added to a heartbeat counter by a worker on its way out: no hang check from then on
-INBOX = "inbox"  # the coordinator's one input queue: JSON messages {"join": w} / {"exit": w, ...} / {"stop": 1}
-# (and {"stalled": w, "gen": g, "grace_s": x}: w's collective timed out while generation g was current)
-ABORT_KEY = "abort"
-RESTART_KEY = "restart"  # set instead of ABORT_KEY when the agents are to restart every worker
-DONE_KEY = "done"  # the job's outcome, set by the coordinator when it ends ("done" on success)
-# The newest planned migration, ``{"id", "rank", "worker", "why"}``, set by the coordinator. Workers act on
-# it only while ``worker`` still holds ``rank`` in their roster, so a notice already carried out is inert.
-DRAIN_KEY = "drain"
-# Set by a rank that passed the barrier ending ``fit``: from then on every rank has finished training, so a
-# worker lost afterwards (in the script's code after ``fit``, or at exit) is not replaced.
-TRAINED_KEY = "trained"
-# The shapes and dtypes of the state's large tensors (``Landing.describe``), set once by rank 0 after the first
-# optimizer step: a waiting spare allocates and touches them while it idles, and receives into them.
-LANDING_KEY = "landing"
-
-
-def evict_key(worker_id: str) -> str:
-    """Set by the coordinator for a worker it replaced while the process lives on (it stalled the others'
-    collectives): its agent SIGKILLs it."""
-    return f"evict/{worker_id}"
-
-
-def agent_beat_key(node: int) -> str:
-    """Counted up by the agent of ``node`` at every supervision check: node 0's agent watches it."""
-    return f"agent_hb/{node}"
-
-
-def node_lost_key(node: int) -> str:
-    """Set when the coordinator has written ``node`` off: its agent, if it is still alive, stops its workers."""
-    return f"node_lost/{node}"
-
-
-def reached_key(rank: int) -> str:
-    """Optimizer steps a logical rank had applied when its attempt was aborted."""
-    return f"reached/{rank}"
-
-
-@dataclass(frozen=True)
-class Roster:
-    """Generation ``gen`` of the job: logical rank ``r`` is run by worker ``ranks[r]``."""
-
-    gen: int
-    ranks: tuple[str, ...]
-    abort: str | None = None
-    reason: str = ""
-
-    @property
-    def world_size(self) -> int:
-        return len(self.ranks)
-
-    def to_json(self) -> str:
-        return json.dumps({"gen": self.gen, "ranks": list(self.ranks), "abort": self.abort, "reason": self.reason})
-
-    @classmethod
-    def from_json(cls, text: str | bytes) -> Roster:
-        d = json.loads(text)
-        return cls(gen=d["gen"], ranks=tuple(d["ranks"]), abort=d.get("abort"), reason=d.get("reason", ""))
 
 
 def connect_store(endpoint: str, is_master: bool = False, timeout: float = 600.0) -> dist.TCPStore:
@@ -178,66 +103,8 @@ def wait_key(store: dist.Store, key: str, stop: threading.Event | None = None, p
     return store.get(key)
 
 
-@dataclass
-class WorkerEnv:
-    """What the agent tells each worker through its environment."""
-
-    store: str
-    token: str
-    worker_id: str
-    world_size: int
-    node_rank: int
-    local_slot: int
-    run_dir: str
-    seed: int
-    heartbeat_interval: float
-    attempt: int = 0  # restarts of the whole job so far
-    straggler_window: int = 50  # steps per straggler verdict (0: no detection)
-    straggler_factor: float = 1.5  # flagged when its compute time per step exceeds the median by this factor
-    straggler_migrate: bool = False  # move a flagged rank to a spare (else only log it)
-
-    @classmethod
-    def from_env(cls) -> WorkerEnv | None:
-        if not os.environ.get("TORCHPASS_STORE"):
-            return None
-        e = os.environ
-        return cls(
-            store=e["TORCHPASS_STORE"],
-            token=e["TORCHPASS_TOKEN"],
-            worker_id=e["TORCHPASS_WORKER_ID"],
-            world_size=int(e["TORCHPASS_WORLD_SIZE"]),
-            node_rank=int(e["TORCHPASS_NODE_RANK"]),
-            local_slot=int(e["TORCHPASS_LOCAL_SLOT"]),
-            run_dir=e["TORCHPASS_RUN_DIR"],
-            seed=int(e["TORCHPASS_SEED"]),
-            heartbeat_interval=float(e["TORCHPASS_HEARTBEAT_INTERVAL"]),
-            attempt=int(e.get("TORCHPASS_ATTEMPT", "0")),
-            straggler_window=int(e.get("TORCHPASS_STRAGGLER_WINDOW", "50")),
-            straggler_factor=float(e.get("TORCHPASS_STRAGGLER_FACTOR", "1.5")),
-            straggler_migrate=e.get("TORCHPASS_STRAGGLER_MIGRATE", "0") == "1",
-        )
-
-    def to_env(self) -> dict[str, str]:
-        return {
-            "TORCHPASS_STORE": self.store,
-            "TORCHPASS_TOKEN": self.token,
-            "TORCHPASS_WORKER_ID": self.worker_id,
-            "TORCHPASS_WORLD_SIZE": str(self.world_size),
-            "TORCHPASS_NODE_RANK": str(self.node_rank),
-            "TORCHPASS_LOCAL_SLOT": str(self.local_slot),
-            "TORCHPASS_RUN_DIR": self.run_dir,
-            "TORCHPASS_SEED": str(self.seed),
-            "TORCHPASS_HEARTBEAT_INTERVAL": str(self.heartbeat_interval),
-            "TORCHPASS_ATTEMPT": str(self.attempt),
-            "TORCHPASS_STRAGGLER_WINDOW": str(self.straggler_window),
-            "TORCHPASS_STRAGGLER_FACTOR": str(self.straggler_factor),
-            "TORCHPASS_STRAGGLER_MIGRATE": str(int(self.straggler_migrate)),
-        }
-
-
-def _die_with_agent() -> None:
-    """Ask Linux for SIGKILL when the agent dies, so no worker outlives its supervisor."""
-    agent = int(os.environ.get("TORCHPASS_AGENT_PID", "0"))
+def _die_with_agent(agent: int) -> None:
+    """Ask Linux for SIGKILL when the agent (pid ``agent``) dies, so no worker outlives its supervisor."""
     if agent and sys.platform.startswith("linux"):
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
         if os.getppid() != agent:  # the agent died before we asked
@@ -276,9 +143,9 @@ class Member:
         return max(reached) if reached else None
 
     def join(self) -> None:
-        _die_with_agent()
-        self.store.set(f"join/{self.env.worker_id}", self.env.token)
-        self.store.queue_push(INBOX, json.dumps({"join": self.env.worker_id}))
+        _die_with_agent(self.env.agent_pid)
+        self.store.set(join_key(self.env.worker_id), self.env.token)
+        send(self.store, Join(self.env.worker_id))
         self.store.add(heartbeat_key(self.env.worker_id), 1)  # from now on the agent's hang check applies
         self._start(self._beat, "torchpass-heartbeat")
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 import ctypes
 import json
 import os
-import runpy
 import select
 import signal
 import socket
@@ -21,7 +20,6 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 from torchpass_plugins._compat.interpreter import run_exit_steps
 
@@ -33,28 +31,24 @@ def _die_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
+def worker_command(argv: list[str]) -> list[str]:
+    """The command line of a worker started as a fresh interpreter (nothing preloaded): ``python argv...``
+    through the worker's entry, :func:`torchpass_plugins.control.worker.run_as_worker`."""
+    entry = ("import sys; from torchpass_plugins.control.worker import run_as_worker; "
+             "sys.exit(run_as_worker(sys.argv[1:]))")
+    return [sys.executable, "-u", "-c", entry, *argv]
+
+
 def _run_worker(argv: list[str], env: dict[str, str]) -> None:
-    """In the forked child: become ``python argv...`` and leave as its interpreter would."""
+    """In the forked child: become ``python argv...`` (through the worker's entry, imported here rather than
+    in the zygote, which imports only what it preloads) and leave as its interpreter would."""
     os.setsid()
     _die_with_parent()
     os.environ.clear()
     os.environ.update(env)
-    code = 0
-    try:
-        if argv[0] == "-m":
-            sys.argv = argv[1:]
-            runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
-        else:
-            sys.argv = list(argv)
-            sys.path[0] = str(Path(argv[0]).resolve().parent)
-            runpy.run_path(argv[0], run_name="__main__")
-    except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-        if not isinstance(exc.code, int | None):
-            print(exc.code, file=sys.stderr)
-    except BaseException:
-        sys.excepthook(*sys.exc_info())  # torchpass's hook may leave with its own exit code here
-        code = 1
+    from torchpass_plugins.control.worker import run_as_worker
+
+    code = run_as_worker(argv)
     # What the interpreter does at exit, short of tearing down modules that the fork shares.
     run_exit_steps()
     for stream in (sys.stdout, sys.stderr):

@@ -7,7 +7,7 @@ a spare replays its predecessor's step from the boundary. The members behind mus
 others saw: a local value in their place would feed the forward pass (a gathered feature, a synchronized
 statistic), a logged metric or a decision (early stopping) with numbers no run produced. So each rank keeps
 the results of the current and the previous step, and after a recovery the member furthest ahead sends each
-member behind the results it is missing (:meth:`Runtime._replay`).
+member behind the results it is missing (:class:`Replay`).
 """
 
 from __future__ import annotations
@@ -16,9 +16,11 @@ from typing import Any
 
 import torch
 
+from torchpass_plugins.control.membership import lost_after_the_step
 from torchpass_plugins.core.tree import map_leaves
 
 Position = tuple[int, int]
+BEFORE_LOOP: Position = (-1, -1)
 
 
 class CollectiveLog:
@@ -39,3 +41,41 @@ class CollectiveLog:
     def between(self, start: Position, stop: Position) -> dict[Position, Any]:
         """Every result recorded at a position in ``[start, stop)``."""
         return {(s, c): r for s, results in self._steps.items() for c, r in results.items() if start <= (s, c) < stop}
+
+
+class Replay:
+    """A member behind the agreed *target* position after a recovery: at each position before it, the
+    result the member furthest ahead got there, instead of running the collective again."""
+
+    def __init__(self) -> None:
+        self.target: Position | None = None
+        self._results: dict[Position, Any] = {}
+        self._superseded_before: Position = BEFORE_LOOP  # a spare's: the state it received supersedes these
+
+    def start(self, target: Position, results: dict[Position, Any], superseded_before: Position) -> None:
+        self.target, self._results, self._superseded_before = target, results, superseded_before
+
+    def behind(self, pos: Position) -> bool:
+        """Whether ``pos`` is before the target; the first position at or past it ends the replay."""
+        if self.target is None:
+            return False
+        if pos < self.target:
+            return True
+        self.target = None
+        self._results.clear()
+        return False
+
+    def pop(self, pos: Position) -> Any:
+        """The result the member ahead got at ``pos`` (a committed vote this member did not finish)."""
+        return self._results.pop(pos)
+
+    def result(self, pos: Position, skipped: Any) -> tuple[Any, bool]:
+        """The result at ``pos`` (behind the target) and True; ``(skipped, False)`` where the state this
+        member received supersedes the collective."""
+        if pos in self._results:
+            return self._results.pop(pos), True
+        if pos < self._superseded_before:
+            return skipped, False
+        # No survivor completed it, and the spare cannot take part: it enters at the next step boundary, so
+        # this collective runs after the optimizer step of the step the lost rank completed.
+        raise lost_after_the_step(pos[0])

@@ -5,50 +5,39 @@ the number of collectives it issued since. Every collective goes through :meth:`
 When one fails (a peer died, or the coordinator published a newer roster), the members of the newest
 roster rebuild the group, agree on the commit state and on a *target* position, the donor sends the full
 state to each spare, and everyone continues: members behind the target skip (locally) the collectives
-the others already completed; those at the target retry theirs. See ``docs/architecture.md``.
+the others already completed; those at the target retry theirs. See ``docs/protocol.md``.
 """
 
 from __future__ import annotations
 
-import atexit
-import json
 import os
-import statistics
 import sys
 import time
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Protocol, TypeVar
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 
-from torchpass_plugins.control.membership import (
-    INBOX,
-    LANDING_KEY,
-    TRAINED_KEY,
-    JobAborted,
-    JoinRejected,
-    Member,
-    WorkerEnv,
-    lost_after_the_step,
-    reached_key,
-)
+from torchpass_plugins.control.membership import JobAborted, JoinRejected, Member
+from torchpass_plugins.control.protocol import TRAINED_KEY, LeftForMigration, Stalled, reached_key, send
+from torchpass_plugins.control.worker_env import WorkerEnv
 from torchpass_plugins.core import rng
 from torchpass_plugins.core.buffer_sync import BufferSync
-from torchpass_plugins.core.collective_log import CollectiveLog, Position
+from torchpass_plugins.core.collective_log import BEFORE_LOOP, CollectiveLog, Replay
 from torchpass_plugins.core.grad_buckets import GradientBuckets
+from torchpass_plugins.core.interfaces import Adapter, Phase, RecoveryPlan
 from torchpass_plugins.core.process_group import PeerFailure, ReconfigurableGroup
 from torchpass_plugins.core.rank_state import RankStateRing
-from torchpass_plugins.core.replicated_recovery import Agreement, MemberState
-from torchpass_plugins.core.state_transfer import Landing, recv_state, send_state
-from torchpass_plugins.health.stragglers import StepTimer, stragglers
+from torchpass_plugins.core.replicated_recovery import ReplicatedPlan, announce_landing, prepare_landing, send_state_to
+from torchpass_plugins.core.state_transfer import Landing
+from torchpass_plugins.core.step_signals import StepSignals
 from torchpass_plugins.observe.events import EventLog
 from torchpass_plugins.testing import faults
 
 T = TypeVar("T")
-_BEFORE_LOOP = (-1, -1)
 _SPARE_ERROR = "torchpass/spare_error/"  # + rank: the error of the last spare that failed before its first step
 PROGRESS_EVERY_S = 0.5  # a ``progress`` event per rank at most this often: a timeline, not a firehose
 
@@ -61,96 +50,53 @@ class Drained(SystemExit):
     """This worker handed its logical rank to a spare (a planned migration): exit cleanly."""
 
 
-class Adapter(Protocol):
-    """What the protocol needs from the training framework."""
-
-    def applied_steps(self) -> int:
-        """Optimizer steps applied so far."""
-
-    def boundary_state(self, snapshot: Any) -> Any:
-        """The full state a spare needs to enter at the last step boundary (``snapshot`` taken there)."""
-
-    def boundary_snapshot(self) -> Any:
-        """Cheap per-boundary record of what changes within a step (e.g. loop progress)."""
-
-    def load_state(self, state: Any) -> None:
-        """Spare side: adopt ``state`` received from the donor."""
-
-    def state_tensors(self) -> list[torch.Tensor]:
-        """The large tensors of ``boundary_state`` (weights, optimizer state) without building it: what a
-        spare prepares a :class:`Landing` for (empty where no full state is handed over)."""
-
-    def rank_state(self) -> Any:
-        """What this rank holds that its peers do not (metric states, logged values), as plain data."""
-
-    def load_rank_state(self, state: Any) -> None:
-        """Spare side: adopt the lost rank's :meth:`rank_state`, at the first step boundary."""
-
-
-class RecoveryPlan(Protocol):
-    """How one strategy recovers, run by :meth:`Runtime.recover` in each new generation until it succeeds."""
-
-    def prepare(self) -> None:
-        """Before the new generation's groups are built: end work still bound to the old ones."""
-
-    def row(self) -> torch.Tensor:
-        """This member's row of the agreement (one int64 tensor, the same shape on every member)."""
-
-    def decide(self, rows: list[torch.Tensor]) -> Any:
-        """The decision every member derives from the same rows (pure)."""
-
-    def describe(self, decision: Any) -> dict[str, Any]:
-        """The decision's fields for the ``transport_rebuilt`` event."""
-
-    def exchange(self, decision: Any) -> None:
-        """Move state between members as decided (``PeerFailure``: the loop starts over)."""
-
-    def finish(self, decision: Any) -> tuple[Any, dict[str, Any]]:
-        """Apply the decision locally, once the exchange succeeded: (what ``recover`` returns, the fields of
-        the ``recovered`` event)."""
-
-
 class Runtime:
     """One rank's side of the protocol: positions, collectives with recovery, commits, state hand-over."""
 
-    def __init__(self, env: WorkerEnv, timeout: timedelta) -> None:
+    def __init__(self, env: WorkerEnv, timeout: timedelta, *, member: Member | None = None,
+                 group: ReconfigurableGroup | None = None, events: EventLog | None = None) -> None:
+        """``member``, ``group`` and ``events`` stand in for the job's membership, process group and event
+        log (in-process tests of the protocol drive several runtimes over fakes); by default each is built
+        from ``env``."""
         self.env = env
-        self.member = Member(env)
-        atexit.register(self.close)
-        self.transport = ReconfigurableGroup(self.member, timeout)
+        self.member = Member(env) if member is None else member
+        self.transport = ReconfigurableGroup(self.member, timeout) if group is None else group
         self.side_transports: list[ReconfigurableGroup] = []  # other groups of this process (e.g. shard replication)
-        self.events = EventLog(Path(env.run_dir) / "events.jsonl", source=env.worker_id)
+        self.events = EventLog(Path(env.run_dir) / "events.jsonl", source=env.worker_id) if events is None else events
         self._progress_logged = -float("inf")  # when the last ``progress`` event was written
         self.adapter: Adapter | None = None
-        self.is_spare = False
-        # a promoted spare until it has completed a step: an error before that would recur on every spare
-        self.unproven_spare = False
-        self._entered_at: int | None = None
-        self.step, self.count = _BEFORE_LOOP
+        self.phase = Phase.ACTIVE
+        self._entered_at: int | None = None  # a promoted spare's entry boundary
+        self.step, self.count = BEFORE_LOOP
         self.last_boundary = -1
-        self._voted = -1  # applied steps when this rank last finished a commit vote
-        self.target: tuple[int, int] | None = None
+        self.voted = -1  # applied steps when this rank last finished a commit vote
         self.log = CollectiveLog()
-        self._replay: dict[Position, Any] = {}  # results handed over by the member ahead, by position
-        self._replay_from: Position = _BEFORE_LOOP  # a spare's collectives before this are superseded
+        self.replay = Replay()
         self.buffer_sync: BufferSync | None = None  # module buffers every rank takes from rank 0 (DDP)
         # copies of the ring predecessor's rank-local state (None: the strategy carries that state itself)
         self.rank_state: RankStateRing | None = RankStateRing()
-        self._entering_rank_state: Any = None  # a spare's: the lost rank's, adopted at the first boundary
-        self._pending: tuple[int, list[int]] | None = None
+        self.entering_rank_state: Any = None  # a spare's: the lost rank's, adopted at the first boundary
+        self.deferred_hand_over: tuple[int, list[int]] | None = None  # (boundary, spares) the donor sends at
         self.boundary_record: Any = None  # the adapter's snapshot at the last boundary
         self.seed_override: int | None = None
         self.leave_hooks: list[Callable[[], None]] = []  # run before leaving the job (aborted, or migrated)
-        self.timer = StepTimer(env.straggler_window)
-        self.drain: tuple[int, int, str] | None = None  # agreed planned migration: (boundary, rank, its worker)
-        self._judged = -1  # the step of the last straggler verdict
-        self._asked_to_move = False
+        self.signals = StepSignals(env, self.member, self.transport, self.events)
         self._stall_reported = -1  # the generation of this rank's last stall report
         # run before the live training state is overwritten in memory (a rollback): e.g. a snapshot's
         # background copy of that state must finish first
         self.rollback_hooks: list[Callable[[], object]] = []
         self.landing: Landing | None = None  # a spare's, prepared while it waits
         self._landing_announced = False
+
+    @property
+    def is_spare(self) -> bool:
+        """Promoted to a rank but without its state yet (it contributes no state to a recovery)."""
+        return self.phase is Phase.SPARE
+
+    @property
+    def unproven_spare(self) -> bool:
+        """A promoted spare until it has completed a step: an error before that would recur on every spare."""
+        return self.phase is not Phase.ACTIVE
 
     @property
     def seed(self) -> int:
@@ -171,7 +117,7 @@ class Runtime:
     def join(self) -> None:
         """Register and wait for a logical rank; spares block here until promoted or released."""
         self.member.join()
-        assignment = self.member.wait_assignment(idle=self._prepare_landing)
+        assignment = self.member.wait_assignment(idle=lambda: prepare_landing(self))
         if "exit" in assignment:
             self.member.close()
             raise SpareReleased(0)
@@ -181,32 +127,12 @@ class Runtime:
         self.member.watch_from(gen)
         self.transport.rank = rank
         faults.at(rank, -1)
-        self.is_spare = self.unproven_spare = gen > 0
+        self.phase = Phase.SPARE if gen > 0 else Phase.ACTIVE
         if not self.is_spare:
             try:
                 self.transport.configure(gen, rank)
             except PeerFailure:
                 pass  # a failure before the first step: the first collective recovers
-
-    def _prepare_landing(self) -> None:
-        """While waiting as a spare: once rank 0 announced the state's shapes, allocate and touch them."""
-        if self.landing is not None or not self.member.store.check([LANDING_KEY]):
-            return
-        t0 = time.perf_counter()
-        try:
-            self.landing = Landing.from_description(self.member.store.get(LANDING_KEY))
-        except (RuntimeError, MemoryError) as exc:  # no room: receive into fresh memory when promoted
-            self.landing = Landing(())
-            self.events.emit("landing_skipped", why=str(exc))
-            return
-        self.events.emit("landing_prepared", bytes=self.landing.nbytes, seconds=time.perf_counter() - t0)
-
-    def _announce_landing(self) -> None:
-        """Once, at the first boundary after an optimizer step (its state exists now): the state's shapes."""
-        self._landing_announced = True
-        tensors = self.adapter.state_tensors()
-        if tensors:
-            self.member.store.set(LANDING_KEY, Landing.describe(tensors))
 
     def error_repeats(self, error: str) -> bool:
         """An unproven spare failed with ``error``: True when this rank's previous spare failed the same way
@@ -218,10 +144,11 @@ class Runtime:
         store.set(key, error)
         return False
 
-    def enter_as_spare(self) -> None:
-        """Spare side of a recovery: join the group and receive the state (called once ``adapter`` is set)."""
+    def enter_as_spare(self, plan: RecoveryPlan | None = None) -> None:
+        """Spare side of a recovery: join the group and receive the state (called once ``adapter`` is set),
+        through the strategy's ``plan`` (the replicated strategies' by default)."""
         self.events.emit("spare_promoted", rank=self.rank, gen=self.member.latest_gen)
-        self._recover(_BEFORE_LOOP, reduced=False)
+        self.recover(plan or ReplicatedPlan(self, BEFORE_LOOP, reduced=False), "spare promoted")
 
     # -- collectives --------------------------------------------------------------------------------------
     def collective(self, fn: Callable[[ReconfigurableGroup], T], skipped: T) -> T:
@@ -230,8 +157,11 @@ class Runtime:
         pos = (self.step, self.count)
         self.count += 1
         while True:
-            if self._behind(pos):
-                return self._replayed(pos, skipped)
+            if self.replay.behind(pos):
+                result, given = self.replay.result(pos, skipped)
+                if given:
+                    self.log.record(pos, result)
+                return result
             try:
                 self.transport.check()
                 result = fn(self.transport)
@@ -240,17 +170,6 @@ class Runtime:
                 continue
             self.log.record(pos, result)
             return result
-
-    def _replayed(self, pos: Position, skipped: T) -> T:
-        if pos in self._replay:
-            result = self._replay.pop(pos)
-            self.log.record(pos, result)
-            return result
-        if pos < self._replay_from:
-            return skipped
-        # No survivor completed it, and the spare cannot take part: it enters at the next step boundary, so
-        # this collective runs after the optimizer step of the step the lost rank completed.
-        raise lost_after_the_step(pos[0])
 
     def reduce_gradients(self, buckets: GradientBuckets) -> None:
         """All-reduce the gradient buckets, then vote to commit the step; then the buckets hold the sum.
@@ -262,8 +181,8 @@ class Runtime:
         """
         pos = (self.step, self.count)
         self.count += 1
-        if self._behind(pos):
-            raise AssertionError(f"torchpass: gradient reduction at {pos} behind target {self.target}")
+        if self.replay.behind(pos):
+            raise AssertionError(f"torchpass: gradient reduction at {pos} behind target {self.replay.target}")
         while True:
             reduced = False
             try:
@@ -278,15 +197,15 @@ class Runtime:
             except PeerFailure as exc:
                 if not self._recover(pos, reduced=reduced, cause=str(exc)):
                     continue
-                vote = self._replay.pop(pos)  # committed: what the members that finished the vote got
-            self._voted = self.adapter.applied_steps()
+                vote = self.replay.pop(pos)  # committed: what the members that finished the vote got
+            self.voted = self.adapter.applied_steps()
             self.log.record(pos, vote)
             self._count_vote(vote)
             return
 
     def _ballot(self) -> torch.Tensor:
         """This rank's part of the commit vote: its signals, and rank 0's buffers (no extra collective)."""
-        signals = self.signals()
+        signals = self.signals.row()
         if self.buffer_sync is None or not self.buffer_sync.size:
             return signals
         return torch.cat([signals, self.buffer_sync.contribution(self.rank)])
@@ -295,28 +214,20 @@ class Runtime:
         w = 2 * self.world_size
         if self.buffer_sync is not None and self.buffer_sync.size:
             self.buffer_sync.adopt(vote[w:])
-        self.take_signals(vote[:w], self.step, drain_at=self.step + 1)
-
-    def _behind(self, pos: tuple[int, int]) -> bool:
-        if self.target is None:
-            return False
-        if pos < self.target:
-            return True
-        self.target = None
-        self._replay.clear()
-        return False
+        self.signals.take(vote[:w], self.step, drain_at=self.step + 1)
 
     # -- step boundaries ---------------------------------------------------------------------------------
     def boundary(self, step: int) -> None:
         """Start of optimizer step ``step``: reseed, record the snapshot, hand over a deferred state."""
         self.step, self.count, self.last_boundary = step, 0, step
-        self._voted = -1
-        if self.unproven_spare:
-            self.unproven_spare = self._entered_at is None or step == self._entered_at
-            self._entered_at = step
+        self.voted = -1
+        if self.phase is Phase.ENTERING:
+            self.phase, self._entered_at = Phase.PROVING, step
+        elif self.phase is Phase.PROVING and step != self._entered_at:
+            self.phase = Phase.ACTIVE
         self.log.new_step(step)
         now = time.perf_counter()
-        self.timer.boundary(step, now, self.transport.waited)
+        self.signals.timer.boundary(step, now, self.transport.waited)
         if now - self._progress_logged >= PROGRESS_EVERY_S:
             self._progress_logged = now
             self.events.emit("progress", rank=self.rank, step=step)
@@ -325,11 +236,12 @@ class Runtime:
         faults.point("boundary")
         self.boundary_record = self.adapter.boundary_snapshot()
         if step >= 1 and self.rank == 0 and not self._landing_announced:
-            self._announce_landing()
-        while self._pending and self._pending[0] == step:
-            spares, self._pending = self._pending[1], None
+            self._landing_announced = True  # once, after an optimizer step: its state exists now
+            announce_landing(self)
+        while self.deferred_hand_over and self.deferred_hand_over[0] == step:
+            spares, self.deferred_hand_over = self.deferred_hand_over[1], None
             try:
-                self._send_to(self.transport, spares, self.adapter.boundary_state(None))
+                send_state_to(self, spares, self.adapter.boundary_state(None))
             except PeerFailure as exc:
                 self._recover((step, 0), reduced=False, cause=str(exc))
         if self.rank_state is not None:
@@ -338,18 +250,11 @@ class Runtime:
     def _exchange_rank_state(self, step: int) -> None:
         """The boundary's copy of this rank's rank-local state to its successor: the first collective of the
         step (a member that others passed skips it: its successor holds the copy of its predecessor)."""
-        if self._entering_rank_state is not None:
-            self.adapter.load_rank_state(self._entering_rank_state)
-            self._entering_rank_state = None
+        if self.entering_rank_state is not None:
+            self.adapter.load_rank_state(self.entering_rank_state)
+            self.entering_rank_state = None
         state = self.adapter.rank_state()
         self.collective(lambda t: self.rank_state.exchange(t, "boundary", step, state), None)
-
-    def _send_to(self, transport: ReconfigurableGroup, spares: list[int], state: Any) -> None:
-        for dst in spares:
-            faults.point("donor")
-            t0 = time.perf_counter()
-            nbytes = send_state(transport, state, dst)
-            self.events.emit("state_sent", rank=self.rank, to=dst, bytes=nbytes, seconds=time.perf_counter() - t0)
 
     # -- recovery ----------------------------------------------------------------------------------------
     def recover(self, plan: RecoveryPlan, cause: str) -> Any:
@@ -380,9 +285,9 @@ class Runtime:
                              **outcome)
             return result
 
-    def _recover(self, pos: tuple[int, int], reduced: bool, cause: str = "") -> bool:
+    def _recover(self, pos: tuple[int, int], reduced: bool, cause: str) -> bool:
         """Recover at ``pos``; returns whether this rank's completed (``reduced``) reduction is committed."""
-        return self.recover(_ReplicatedPlan(self, pos, reduced), cause)
+        return self.recover(ReplicatedPlan(self, pos, reduced), cause)
 
     def report_stall(self, cause: str) -> None:
         """Tell the coordinator, once per generation, that this rank's group failed with no newer roster in
@@ -391,10 +296,8 @@ class Runtime:
         if not self.transport.built() or self.member.latest_gen > gen or self._stall_reported == gen:
             return
         self._stall_reported = gen
-        self.member.store.queue_push(INBOX, json.dumps({
-            "stalled": self.env.worker_id, "gen": gen, "why": cause,
-            "grace_s": self.transport.timeout.total_seconds() / 2,  # the others time out within this
-        }))
+        grace_s = self.transport.timeout.total_seconds() / 2  # the others time out within this
+        send(self.member.store, Stalled(self.env.worker_id, gen, grace_s, why=cause))
 
     def next_roster(self) -> int:
         """Wait for a roster newer than the current group's; returns its generation (raises if it aborts)."""
@@ -406,115 +309,10 @@ class Runtime:
             raise JobAborted(roster.abort)
         return gen
 
-    def _replay_results(self, a: Agreement) -> None:
-        """The member furthest ahead sends every member behind the results it completed and they did not."""
-        self._replay = {}
-        self._replay_from = (a.entry_step, 0) if self.is_spare else _BEFORE_LOOP
-        for member, (start, stop) in sorted(a.replay.items()):
-            if self.rank == a.source:
-                send_state(self.transport, self.log.between(start, stop), member)
-            elif self.rank == member:
-                self._replay, _ = recv_state(self.transport, a.source)
-
-    def _hand_over(self, a: Agreement) -> None:
-        self._pending = None
-        if not a.spares:
-            return
-        if self.rank_state is not None:
-            self._hand_over_rank_state(a)
-        if self.is_spare:
-            faults.point("promoted")
-            t0 = time.perf_counter()
-            state, nbytes = recv_state(self.transport, a.donor, self.landing)
-            self.landing = None
-            self.events.emit(
-                "state_received", rank=self.rank, src=a.donor, bytes=nbytes, seconds=time.perf_counter() - t0
-            )
-            self.adapter.load_state(state)
-            self.is_spare = False
-        elif self.rank == a.donor:
-            if a.immediate:
-                self._send_to(self.transport, a.spares, self.adapter.boundary_state(self.boundary_record))
-            else:
-                self._pending = (a.entry_step, a.spares)
-
-    def _hand_over_rank_state(self, a: Agreement) -> None:
-        """Each spare gets the lost rank's rank-local state from the ring successor that holds its copy.
-        Where no copy survived (that successor lost too, or a spare itself when the copy went round), the
-        spare goes on with its own, as after resuming from a snapshot, and says so (``rank_state_lost``):
-        a restart would lose the same values and the steps since the snapshot besides."""
-        for spare in a.spares:
-            holder = (spare + 1) % self.world_size
-            if self.rank == holder and holder not in a.spares:
-                kind, state = self.rank_state.for_entry(a.entry_step)
-                send_state(self.transport, {"kind": kind, "state": state}, spare)
-            elif self.rank == spare:
-                received = recv_state(self.transport, holder)[0] if holder not in a.spares else {"kind": "none"}
-                # None before the first boundary's copy: the lost rank had what a fresh process has.
-                if received["kind"] == "none" and a.entry_step > 0:
-                    self.events.emit("rank_state_lost", rank=spare, holder=holder, step=a.entry_step)
-                    print(f"torchpass: logical rank {spare}'s metric states and logged values were lost with rank "
-                          f"{holder}, which held their copy; on rank {spare} they start over at step "
-                          f"{a.entry_step}, as after resuming from a snapshot", file=sys.stderr, flush=True)
-                    continue
-                if received["kind"] != "none":
-                    self._entering_rank_state = received["state"]
-                self.events.emit("rank_state_received", rank=spare, kind=received["kind"], step=a.entry_step)
-
-    # -- signals: planned migrations and step times, carried by a collective each step makes anyway -----
-    def signals(self) -> torch.Tensor:
-        """This rank's row: a 1 at the index of a rank the coordinator asked to migrate (if this rank has
-        seen that notice), and this rank's median compute time per step at ``world_size + rank``."""
-        w = self.world_size
-        row = [0.0] * (2 * w)  # built in Python: one tensor op instead of several, on the step's hot path
-        notice = self.member.drain_notice
-        if notice is not None and self.member.roster(self.transport.gen).ranks[notice["rank"]] != notice["worker"]:
-            self.member.drain_carried_out()  # stale: that worker no longer holds the rank
-            notice = None
-        if notice is not None:
-            row[notice["rank"]] = 1.0
-        row[w + self.rank] = self.timer.median
-        return torch.tensor(row, dtype=torch.float64)
-
-    def take_signals(self, total: torch.Tensor, step: int, drain_at: int) -> None:
-        """``total``: the sum of every rank's :meth:`signals` at step ``step``, the same on every rank, so
-        every rank takes the same decisions: the migration (at boundary ``drain_at``) and the verdict."""
-        w = self.world_size
-        values = total.tolist()
-        asked = next((r for r in range(w) if values[r]), None)
-        if asked is not None and self.drain is None:
-            self.drain = (drain_at, asked, self.member.roster(self.transport.gen).ranks[asked])
-        window = self.timer.window
-        if window and step and step % window == 0 and self._judged != step:
-            self._judged = step
-            self._judge(values[w:], step)
-
-    def _judge(self, medians: list[float], step: int) -> None:
-        slow = stragglers(medians, self.env.straggler_factor)
-        if not slow:
-            return
-        if self.rank == 0:  # one record for the job
-            self.events.emit("straggler", ranks=slow, step=step, window=self.timer.window,
-                             compute_s=medians, factor=self.env.straggler_factor)
-        if self.rank in slow and self.env.straggler_migrate and not self._asked_to_move:
-            self._asked_to_move = True
-            typical = statistics.median(medians)
-            self.member.store.queue_push(INBOX, json.dumps({
-                "migrate": self.env.worker_id,
-                "why": f"straggler: rank {self.rank} computes {medians[self.rank] / typical:.2f}x the median step",
-            }))
-
+    # -- planned migrations (agreed through :class:`StepSignals`) -----------------------------------------
     def drain_due(self, step: int) -> int | None:
-        """The logical rank that moves to a spare at this boundary, if one does. A migration whose worker
-        was lost meanwhile (and replaced by a recovery) is dropped: its rank has moved already."""
-        if self.drain is None or self.drain[0] != step:
-            return None
-        _, rank, worker = self.drain
-        if self.member.roster(self.transport.gen).ranks[rank] != worker:
-            self.drain = None
-            self.member.drain_carried_out()
-            return None
-        return rank
+        """The logical rank that moves to a spare at this boundary, if one does."""
+        return self.signals.drain_due(step)
 
     def carry_out_drain(self, step: int) -> None:
         """At the agreed boundary: the moving rank leaves; the others rebuild the group with the spare."""
@@ -526,14 +324,12 @@ class Runtime:
     def end_drain(self, step: int) -> int:
         """The agreed migration happens now: the moving rank leaves (this does not return there); the
         others get the rank that moved, and rebuild the group with the spare."""
-        rank = self.drain[1]
-        self.drain = None
-        self.member.drain_carried_out()
+        rank = self.signals.take_drain()
         if rank != self.rank:
             return rank
         # Tell the coordinator (which promotes the reserved spare), land what is in flight, and exit. The
         # state reaches the spare from a peer at this boundary.
-        self.member.store.queue_push(INBOX, json.dumps({"drained": self.env.worker_id}))
+        send(self.member.store, LeftForMigration(self.env.worker_id))
         self.events.emit("drained", rank=self.rank, worker=self.env.worker_id, step=step)
         for hook in self.leave_hooks:
             hook()
@@ -559,51 +355,19 @@ class Runtime:
             except Exception as exc:  # leaving anyway
                 print(f"torchpass: while leaving the aborted job: {exc}", file=sys.stderr)
 
-    def close(self) -> None:
-        """At exit: stop the membership threads and destroy the process groups while the interpreter is
-        still whole (gloo worker threads that outlive it abort the process: pytorch/pytorch#190489). If an
-        operation of a replaced group is still stuck in C++, the process leaves through ``os._exit``."""
+    def close(self) -> bool:
+        """Stop the membership threads and destroy the process groups; the worker's entry calls it at exit,
+        while the interpreter is still whole (gloo worker threads that outlive it abort the process:
+        pytorch/pytorch#190489). False when an operation of a replaced group is still stuck in C++: the
+        groups cannot be destroyed then, and the process must leave without the interpreter's teardown
+        (``os._exit``)."""
         transports = (self.transport, *self.side_transports)
         drained = all([t.drain(timeout=2.0) for t in transports])  # heartbeats go on meanwhile
         self.member.close()
         if not drained:
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(1 if getattr(sys, "last_value", None) is not None else 0)
+            return False
         for t in transports:
             t.close()
         if dist.is_initialized():
             dist.destroy_process_group()
-
-
-class _ReplicatedPlan:
-    """The recovery plan of the replicated strategies: rows are :class:`MemberState`, the decision an
-    :class:`Agreement`; the exchange replays missed results and hands the whole state to each spare."""
-
-    def __init__(self, rt: Runtime, pos: tuple[int, int], reduced: bool) -> None:
-        self.rt, self.pos, self.reduced = rt, pos, reduced
-
-    def prepare(self) -> None:
-        pass
-
-    def row(self) -> torch.Tensor:
-        rt = self.rt
-        applied = -1 if rt.is_spare else rt.adapter.applied_steps()
-        voted = applied >= 0 and rt._voted == applied
-        return MemberState(rt.is_spare, self.pos, applied, rt.last_boundary, self.reduced or voted, voted).to_tensor()
-
-    def decide(self, rows: list[torch.Tensor]) -> Agreement:
-        return Agreement.decide([MemberState.from_tensor(t) for t in rows])
-
-    def describe(self, a: Agreement) -> dict[str, Any]:
-        return {"position": list(self.pos), "committed": self.rt.rank in a.committed, "target": list(a.target),
-                "entry_step": a.entry_step, "spares": a.spares, "donor": a.donor}
-
-    def exchange(self, a: Agreement) -> None:
-        self.rt._replay_results(a)
-        self.rt._hand_over(a)
-
-    def finish(self, a: Agreement) -> tuple[bool, dict[str, Any]]:
-        self.rt.target = a.target
-        self.rt.timer.discard()
-        return self.rt.rank in a.committed, {"retries_collective": self.pos >= a.target}
+        return True

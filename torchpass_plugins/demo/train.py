@@ -144,7 +144,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--sleep-per-step", type=float, default=0.0)
     p.add_argument("--val-every", type=int, default=0, help="validate every N training batches (0: never)")
     p.add_argument("--bucket-cap-mb", type=float, default=None, help="gradient bucket size (several buckets)")
-    p.add_argument("--collective-timeout", type=float, default=None, help="seconds per collective (default 300)")
+    p.add_argument("--collective-timeout", type=float, default=None,
+                   help="seconds per collective (default: torchpass.timeouts.collective_s)")
     p.add_argument("--strategy", choices=["torchpass_ddp", "torchpass_fsdp"], default="torchpass_ddp")
     p.add_argument("--accelerator", choices=["cpu", "gpu"], default="cpu",
                    help="gpu: each process on its slot's GPU (with one GPU per node: --devices 1 --num-nodes N)")
@@ -179,10 +180,10 @@ def main(argv: list[str] | None = None) -> None:
     if args.strategy == "torchpass_fsdp":
         strategy = TorchPassFSDPStrategy(auto_wrap_policy={nn.Linear}, replicate_every_n_steps=args.replicate_every,
                                          state_filter=trainable_only if args.model_aware else None,
-                                         timeout=args.collective_timeout or 300,
+                                         timeout=args.collective_timeout,
                                          process_group_backend=args.process_group_backend)
     elif args.bucket_cap_mb or args.collective_timeout or args.process_group_backend:
-        strategy = TorchPassDDPStrategy(bucket_cap_mb=args.bucket_cap_mb or 4.0, timeout=args.collective_timeout or 300,
+        strategy = TorchPassDDPStrategy(bucket_cap_mb=args.bucket_cap_mb or 4.0, timeout=args.collective_timeout,
                                         process_group_backend=args.process_group_backend)
     trainer = L.Trainer(
         accelerator=args.accelerator,

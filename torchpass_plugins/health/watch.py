@@ -1,7 +1,8 @@
 """Device health: readings from NVML (or an injected source), and the policy that turns them into actions.
 
-The per-node agent owns the watch (it outlives its workers). A :class:`HealthSource` reads one
-:class:`DeviceHealth` per device; :class:`HealthPolicy` maps a reading to ``warn`` or ``migrate``.
+The per-node agent runs the :class:`HealthWatch` (it outlives its workers). A :class:`HealthSource` reads
+one :class:`DeviceHealth` per device; :class:`HealthThresholds` classifies a reading into findings, critical
+or degraded, which the watch reports; the job's ``Policy`` decides what to do about them.
 :class:`NvmlHealthSource` reads real GPUs through ``pynvml``; :class:`FileHealthSource` reads a JSON file
 that tests and drills write (``{"1": {"temperature_c": 95}}`` is "GPU 1 is at 95 C"), so the whole path
 runs on a machine without GPUs.
@@ -11,7 +12,10 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
+import time
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from types import ModuleType
@@ -19,7 +23,8 @@ from typing import Any, Literal
 
 log = logging.getLogger(__name__)
 
-Action = Literal["warn", "migrate"]
+Severity = Literal["degraded", "critical"]
+_REPEAT_S = 60.0  # a degraded finding is reported again at most this often per device and check
 # XIDs that mean the GPU itself is failing (NVIDIA's XID catalogue: double-bit ECC, fallen off the bus,
 # row-remapping failure, uncontained ECC, GSP errors): a worker on it should move.
 CRITICAL_XIDS = (48, 63, 64, 74, 79, 92, 94, 95, 119, 120)
@@ -165,9 +170,19 @@ class NvmlHealthSource(HealthSource):
 
 
 @dataclass(frozen=True)
-class HealthPolicy:
-    """Thresholds: a reading past a ``*_migrate`` threshold moves the worker off the device; past a
-    ``*_warn`` threshold it is logged. ``None`` turns a check off."""
+class Finding:
+    """What a reading shows about one check of a device: ``critical`` (the device is failing or about to)
+    or ``degraded`` (worth a look). What to do about it is ``Policy``'s decision."""
+
+    severity: Severity
+    check: str  # what was checked ("temperature", "xid", ...): warnings repeat once a minute per device and check
+    why: str
+
+
+@dataclass(frozen=True)
+class HealthThresholds:
+    """A reading past a ``*_migrate`` threshold is critical (the job moves the worker off the device); past
+    a ``*_warn`` threshold it is degraded (logged). ``None`` turns a check off."""
 
     temperature_warn_c: float | None = 85.0
     temperature_migrate_c: float | None = 92.0
@@ -177,31 +192,35 @@ class HealthPolicy:
     power_warn_w: float | None = None
     migrate_on_recovery_action: bool = True  # the driver asks for a reset or reboot
 
-    def evaluate(self, h: DeviceHealth) -> list[tuple[Action, str]]:
-        """The actions a reading calls for, each with the reason to log."""
-        out: list[tuple[Action, str]] = []
+    def classify(self, h: DeviceHealth) -> list[Finding]:
+        """The findings of a reading, each with the reason to log."""
+        out: list[Finding] = []
 
         def over(value, limit) -> bool:
             return value is not None and limit is not None and value >= limit
 
         hot = f"GPU {h.device} at {h.temperature_c} C"
         if over(h.temperature_c, self.temperature_migrate_c):
-            out.append(("migrate", f"{hot} (migrate at {self.temperature_migrate_c} C)"))
+            out.append(Finding("critical", "temperature", f"{hot} (migrate at {self.temperature_migrate_c} C)"))
         elif over(h.temperature_c, self.temperature_warn_c):
-            out.append(("warn", f"{hot} (warn at {self.temperature_warn_c} C)"))
+            out.append(Finding("degraded", "temperature", f"{hot} (warn at {self.temperature_warn_c} C)"))
         if over(h.ecc_uncorrected_volatile, self.ecc_uncorrected_migrate):
-            out.append(("migrate", f"GPU {h.device}: {h.ecc_uncorrected_volatile} uncorrectable ECC error(s)"))
+            out.append(Finding("critical", "ecc",
+                               f"GPU {h.device}: {h.ecc_uncorrected_volatile} uncorrectable ECC error(s)"))
         if self.migrate_on_pending_retirement and (h.retired_pages_pending or h.remapped_rows_pending):
-            out.append(("migrate", f"GPU {h.device}: memory page retirement / row remapping pending"))
+            out.append(Finding("critical", "retirement",
+                               f"GPU {h.device}: memory page retirement / row remapping pending"))
         critical = [x for x in h.xids if x in self.migrate_xids]
         if critical:
-            out.append(("migrate", f"GPU {h.device}: XID {', '.join(map(str, critical))}"))
+            out.append(Finding("critical", "xid", f"GPU {h.device}: XID {', '.join(map(str, critical))}"))
         elif h.xids:
-            out.append(("warn", f"GPU {h.device}: XID {', '.join(map(str, h.xids))}"))
+            out.append(Finding("degraded", "xid", f"GPU {h.device}: XID {', '.join(map(str, h.xids))}"))
         if over(h.power_w, self.power_warn_w):
-            out.append(("warn", f"GPU {h.device} draws {h.power_w:g} W (warn at {self.power_warn_w:g})"))
+            out.append(Finding("degraded", "power",
+                               f"GPU {h.device} draws {h.power_w:g} W (warn at {self.power_warn_w:g})"))
         if self.migrate_on_recovery_action and h.recovery_action:
-            out.append(("migrate", f"GPU {h.device}: the driver asks for recovery action {h.recovery_action}"))
+            out.append(Finding("critical", "recovery action",
+                               f"GPU {h.device}: the driver asks for recovery action {h.recovery_action}"))
         return out
 
 
@@ -216,7 +235,7 @@ class HealthConfig:
 
     source: str = "nvml"
     interval_s: float = 5.0
-    policy: HealthPolicy = field(default_factory=HealthPolicy)
+    thresholds: HealthThresholds = field(default_factory=HealthThresholds)
 
     def open(self) -> HealthSource | None:
         """The configured source, or None (with one log line saying why) when the watch is off."""
@@ -231,3 +250,36 @@ class HealthConfig:
         except (HealthUnavailable, ImportError) as exc:
             log.warning("torchpass: GPU health watch off: %s", exc)
             return None
+
+
+class HealthWatch:
+    """Reads the watched devices every interval and reports their findings: a detector only."""
+
+    def __init__(self, config: HealthConfig) -> None:
+        self.config = config
+        self._reported: dict[tuple[int, str], float] = {}  # (device, check) -> when its degraded finding was
+
+    def run(self, devices: Callable[[], list[int]], report: Callable[[int, list[Finding]], None],
+            done: threading.Event) -> None:
+        """Until ``done``: read ``devices()`` and ``report(device, findings)`` where there are any."""
+        source = self.config.open()
+        if source is None:
+            return
+        try:
+            while not done.wait(self.config.interval_s):
+                for reading in source.read(devices()):
+                    findings = [f for f in self.config.thresholds.classify(reading) if self._due(reading.device, f)]
+                    if findings:
+                        report(reading.device, findings)
+        finally:
+            source.close()
+
+    def _due(self, device: int, finding: Finding) -> bool:
+        """A critical finding always; a degraded one unless reported within the last minute."""
+        if finding.severity == "critical":
+            return True
+        now = time.monotonic()
+        if now - self._reported.get((device, finding.check), -1e9) <= _REPEAT_S:
+            return False
+        self._reported[(device, finding.check)] = now
+        return True

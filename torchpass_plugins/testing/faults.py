@@ -37,6 +37,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from torchpass_plugins.control.worker_env import WorkerEnv
+from torchpass_plugins.errors import ConfigError
+
 ACTIONS = ("kill", "exit", "raise", "stop", "spin", "stall", "slow", "kill-agent")
 STEP_PHASES = ("boundary", "data", "forward", "backward", "reduce", "commit", "optimizer")
 BACKGROUND_PHASES = ("replicate", "snapshot")
@@ -88,7 +91,7 @@ def parse_all(spec: str) -> list[Fault]:
     return [Fault.parse(item) for item in spec.split(";") if item.strip()]
 
 
-_FAULTS = parse_all(os.environ.get("TORCHPASS_FAULTS", ""))
+_faults: tuple[Fault, ...] | None = None  # this process's TORCHPASS_FAULTS, once :func:`load` parsed it
 _where = (-1, -1)
 _reached: dict[str, int] = {}  # how often each phase was reached in the current step
 _slow = 0.0  # seconds this process sleeps per step boundary, once a ``slow`` fault fired in it
@@ -102,13 +105,27 @@ def at(rank: int, step: int) -> None:
     _where = (rank, step)
 
 
+def load() -> tuple[Fault, ...]:
+    """This process's faults: ``TORCHPASS_FAULTS``, parsed on first use rather than on import (importing has
+    no effect that depends on the environment). The worker's entry calls it before the script runs, so a
+    malformed value stops the job before training, with a ``ConfigError`` naming the variable."""
+    global _faults
+    if _faults is None:
+        try:
+            _faults = tuple(parse_all(os.environ.get("TORCHPASS_FAULTS", "")))
+        except ValueError as exc:
+            raise ConfigError(f"torchpass: TORCHPASS_FAULTS: {exc}") from None
+    return _faults
+
+
 def point(phase: str) -> None:
     """An injection point; free when no fault is configured."""
-    if not _FAULTS:
+    configured = load()
+    if not configured:
         return
     reached = _reached.get(phase, 0)
     _reached[phase] = reached + 1
-    for index, fault in enumerate(_FAULTS):
+    for index, fault in enumerate(configured):
         if fault.matches(*_where, phase, reached) and _claim(index):
             _fire(fault)
     if _slow and phase == "boundary":
@@ -116,7 +133,8 @@ def point(phase: str) -> None:
 
 
 def _claim(index: int) -> bool:
-    marker = Path(os.environ.get("TORCHPASS_RUN_DIR", ".")) / "faults" / f"fired-{index}"
+    env = WorkerEnv.from_env()
+    marker = Path(env.run_dir if env is not None else ".") / "faults" / f"fired-{index}"
     marker.parent.mkdir(parents=True, exist_ok=True)
     try:
         os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
@@ -137,7 +155,7 @@ def _fire(fault: Fault) -> None:
     elif fault.action == "exit":
         os._exit(3)
     elif fault.action == "kill-agent":
-        os.kill(int(os.environ["TORCHPASS_AGENT_PID"]), signal.SIGKILL)
+        os.kill(WorkerEnv.from_env().agent_pid, signal.SIGKILL)
         return
     elif fault.action == "spin":
         sum(range(1 << 62))  # one C call: the GIL is never released

@@ -38,7 +38,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from torchpass_plugins.control.membership import WorkerEnv
+from torchpass_plugins.config import in_torchpass_worker
 from torchpass_plugins.core import default_group
 from torchpass_plugins.core.backends import communicate_on, slot_gpu
 from torchpass_plugins.core.default_group import RetryingGroup
@@ -119,13 +119,14 @@ def seed_loader(loader: Any, seed: int) -> SeededSampler:
 class TorchPass:
     """Declares what a loop's state is and where its steps begin; see the module docstring."""
 
-    def __init__(self, seed: int | None = None, timeout: timedelta | float = timedelta(minutes=5),
+    def __init__(self, seed: int | None = None, timeout: timedelta | float | None = None,
                  process_group_backend: str | None = None) -> None:
         """``seed``: the job seed of the per-step random streams (dropout, ...); pass the seed given to
         ``set_seed`` so that runs launched apart draw the same numbers (default: ``--seed`` of the launch,
         else one derived from the job's token). ``process_group_backend``: for CUDA tensors, where a GPU is
-        visible (``nccl`` unless given; ``gloo`` for several ranks sharing one GPU)."""
-        self.active = WorkerEnv.from_env() is not None
+        visible (``nccl`` unless given; ``gloo`` for several ranks sharing one GPU). ``timeout``: a collective's,
+        as a ``timedelta`` or seconds (default: ``torchpass.timeouts.collective_s``)."""
+        self.active = in_torchpass_worker()
         self.runtime: Runtime | None = None
         self._pending: dict[str, Any] | None = None  # a spare's received state, applied by ``track``
         self.applied = 0
@@ -138,7 +139,6 @@ class TorchPass:
             return
         from torchpass_plugins.control.worker import current_runtime
 
-        timeout = timeout if isinstance(timeout, timedelta) else timedelta(seconds=timeout)
         rt = self.runtime = current_runtime(timeout)
         if seed is not None:
             rt.seed_override = seed

@@ -7,12 +7,12 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
-from lightning.pytorch.utilities.data import _update_dataloader
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 from torch.utils.data import BatchSampler, IterableDataset
 
 from torchpass_plugins._compat.lightning import (
+    dataloader_with_sampler,
     drop_loader_positions,
     dump_checkpoint,
     load_rank_local_state,
@@ -165,4 +165,4 @@ class LightningAdapter:
         seed_fetches(dataloader.dataset)
         generators = generators_of(sampler) + generators_of(users_sampler(sampler))
         seeded = SeededSampler(sampler, runtime.seed, runtime.rank, batches * batch_size, epoch, generators)
-        return _update_dataloader(dataloader, seeded)
+        return dataloader_with_sampler(dataloader, seeded)

@@ -17,7 +17,6 @@ from datetime import timedelta
 from typing import Any, Optional, Union
 
 import torch
-from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.rank_zero import rank_zero_only as fabric_rank_zero_only
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.strategies.strategy import TBroadcast
@@ -27,7 +26,12 @@ from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from torchpass_plugins._compat.lightning import apply_layer_sync, refuse_unsupported, wait_in_prepare_data
+from torchpass_plugins._compat.lightning import (
+    apply_layer_sync,
+    optimizers_to_device,
+    refuse_unsupported,
+    wait_in_prepare_data,
+)
 from torchpass_plugins.core import default_group
 from torchpass_plugins.core.backends import communicate_on, slot_gpu
 from torchpass_plugins.core.buffer_sync import BufferSync
@@ -56,11 +60,10 @@ class TorchPassDDPStrategy(ParallelStrategy):
         cluster_environment: Optional[TorchPassEnvironment] = None,
         checkpoint_io=None,
         precision_plugin=None,
-        timeout: Union[timedelta, float] = timedelta(minutes=5),
+        timeout: Union[timedelta, float, None] = None,
         bucket_cap_mb: float = 4.0,
         process_group_backend: Optional[str] = None,
     ) -> None:
-        timeout = timeout if isinstance(timeout, timedelta) else timedelta(seconds=timeout)
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -166,7 +169,7 @@ class TorchPassDDPStrategy(ParallelStrategy):
         self.setup_precision_plugin()
         refuse_unsupported(trainer)
         if trainer.state.fn == TrainerFn.FITTING:
-            _optimizers_to_device(self.optimizers, self.root_device)
+            optimizers_to_device(self.optimizers, self.root_device)
 
     def _broadcast_parameters(self) -> None:
         """Start every rank from rank 0's weights, as DDP does (a spare takes the donor's instead)."""

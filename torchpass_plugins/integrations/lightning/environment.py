@@ -7,12 +7,12 @@ waits right there (its script has built the model already) until it is promoted 
 
 from __future__ import annotations
 
-import os
 from datetime import timedelta
 
 from lightning.fabric.plugins.environments import ClusterEnvironment
 from typing_extensions import override
 
+from torchpass_plugins.config import in_torchpass_worker
 from torchpass_plugins.control.worker import NotUnderTorchPass, current_runtime
 from torchpass_plugins.errors import ConfigError
 
@@ -21,7 +21,7 @@ __all__ = ["NotUnderTorchPass", "TorchPassEnvironment"]
 class TorchPassEnvironment(ClusterEnvironment):
     """Cluster environment whose ranks are the job's stable logical ranks."""
 
-    def __init__(self, timeout: timedelta = timedelta(minutes=5)) -> None:
+    def __init__(self, timeout: timedelta | float | None = None) -> None:
         self.runtime = current_runtime(timeout)
 
     @property
@@ -42,7 +42,7 @@ class TorchPassEnvironment(ClusterEnvironment):
     @staticmethod
     @override
     def detect() -> bool:
-        return "TORCHPASS_WORKER_ID" in os.environ
+        return in_torchpass_worker()
 
     @override
     def world_size(self) -> int:

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import torch
 
+from torchpass_plugins.control.worker_env import VARIABLE as WORKER_VARIABLE
+
 PACKAGE = Path(__file__).resolve().parents[2]
 TRAIN = PACKAGE / "demo" / "train.py"
 JOB_TIMEOUT = 240.0
@@ -145,7 +147,7 @@ def start(
 ) -> Job:
     """Start the agents of one job (``nnodes`` simulated nodes on this machine)."""
     env = {**os.environ, **SAME_ROUNDING, "TORCHPASS_FAULTS": faults, "TORCHPASS_JOIN_TOKEN": "test-token"}
-    env.pop("TORCHPASS_STORE", None)
+    env.pop(WORKER_VARIABLE, None)
     job = Job(run_dir)
     endpoint = f"127.0.0.1:{free_port() if nnodes > 1 else 0}"
     for node in range(nnodes):
@@ -169,7 +171,7 @@ def start(
 def run_command(run_dir: Path, cmd: list[str], faults: str = "") -> tuple[Job, list[int]]:
     """Run another launcher's command line (torchrun, ``accelerate launch``) as one job, bounded."""
     env = {**os.environ, **SAME_ROUNDING, "TORCHPASS_FAULTS": faults}
-    env.pop("TORCHPASS_STORE", None)
+    env.pop(WORKER_VARIABLE, None)
     run_dir.mkdir(parents=True, exist_ok=True)
     log = run_dir / "launch.log"
     job = Job(run_dir, logs=[log])

@@ -76,7 +76,7 @@ def train_args(strategy: str, replicate_every: int, run_dir: Path) -> tuple[str,
     )  # fmt: skip
 
 
-def _run_job(
+def run_job(
     run_dir: Path,
     strategy: str,
     replicate_every: int,
@@ -106,7 +106,7 @@ def reference(work: Path, name: str) -> list[dict]:
     if not path.exists():
         strategy, _, every = name.rpartition("-r")
         shutil.rmtree(path.parents[1], ignore_errors=True)
-        job, codes, left = _run_job(path.parents[1], strategy, int(every), "", nproc=WORLD, spares=0)
+        job, codes, left = run_job(path.parents[1], strategy, int(every), "", nproc=WORLD, spares=0)
         if codes != [0] or left:
             raise RuntimeError(f"the failure-free run {name} failed ({codes}, left {left}):\n{job.output()[-3000:]}")
     done = jobs.Job(path.parents[1])
@@ -138,7 +138,7 @@ def classify(sc: Scenario, work: Path) -> tuple[str, str, int]:
     run_dir = work / f"s{sc.seed}-{sc.index:04d}"
     shutil.rmtree(run_dir, ignore_errors=True)
     expected = reference(work, sc.reference)
-    job, codes, left = _run_job(run_dir, sc.strategy, sc.replicate_every, sc.spec)
+    job, codes, left = run_job(run_dir, sc.strategy, sc.replicate_every, sc.spec)
     workers_lost = len({e["worker"] for e in job.events("failure_detected")})
     return (*judge(sc, job, codes, left, expected), workers_lost)
 
@@ -195,7 +195,7 @@ def _resubmitted(
     agent_lost = any(f.action == "kill-agent" for f in sc.faults)
     if not aborted and not agent_lost:
         return "failure", f"the job stopped ({codes}) without a logged reason:\n{job.output()[-1500:]}"
-    again, codes2, left = _run_job(
+    again, codes2, left = run_job(
         job.run_dir / "resubmitted", sc.strategy, sc.replicate_every, "", snapshots=job.run_dir / "snapshots"
     )
     if codes2 != [0] or left:

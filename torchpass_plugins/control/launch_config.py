@@ -1,0 +1,102 @@
+"""What one node's agent runs by, derived from the settings (``TorchPassConfig``, ``AgentConfig``): it has no
+defaults of its own, so a default is written once, in ``torchpass_plugins/config.py``."""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+
+from torchpass_plugins.config import AgentConfig, TorchPassConfig
+from torchpass_plugins.health.watch import HealthConfig, HealthThresholds, is_source
+
+
+@dataclass
+class LaunchConfig:
+    """The job's supervision settings, this node's place in it, and how this agent joined it."""
+
+    command: list[str]
+    nproc_per_node: int
+    nnodes: int
+    node_rank: int
+    rdzv_endpoint: str
+    rdzv_timeout: float  # how long an agent tries to reach node 0's store
+    spares: int
+    run_dir: str
+    heartbeat_timeout: float
+    heartbeat_interval: float
+    refill: bool
+    token: str
+    seed: int | None
+    max_restarts: int
+    spare_wait: float  # seconds to wait for a refilled spare when more ranks are lost than spares free
+    health: HealthConfig
+    straggler_window: int
+    straggler_factor: float
+    straggler_migrate: bool
+    metrics_addr: str | None  # HOST:PORT of node 0's Prometheus endpoint
+    preload: tuple[str, ...]  # imported once per node by a fork server, which forks every worker (empty: none)
+    first_slot: int  # index of this agent's first slot (its workers' local rank / GPU)
+    external_store: bool  # the store at rdzv_endpoint is someone else's (torchrun's): only connect
+
+    @classmethod
+    def derive(cls, command: list[str], job: TorchPassConfig, agent: AgentConfig, *, token: str,
+               first_slot: int = 0, external_store: bool = False) -> LaunchConfig:
+        """``token``: the job's join token ('' on a single node: the agent draws one)."""
+        thresholds = HealthThresholds(temperature_warn_c=job.health.temperature_warn_c,
+                                      temperature_migrate_c=job.health.temperature_migrate_c)
+        return cls(
+            command=list(command), nproc_per_node=agent.nproc_per_node, nnodes=agent.nnodes,
+            node_rank=agent.node_rank, rdzv_endpoint=agent.rdzv_endpoint, rdzv_timeout=agent.rdzv_timeout_s,
+            spares=job.spares, run_dir=job.run_dir, heartbeat_timeout=job.timeouts.heartbeat_s,
+            heartbeat_interval=agent.heartbeat_interval_s, refill=agent.refill, token=token, seed=agent.seed,
+            max_restarts=job.max_restarts, spare_wait=job.spare_wait_s,
+            health=HealthConfig(source=job.health.source, interval_s=job.health.interval_s, thresholds=thresholds),
+            straggler_window=job.stragglers.window, straggler_factor=job.stragglers.factor,
+            straggler_migrate=job.stragglers.policy == "migrate", metrics_addr=job.telemetry.metrics_addr,
+            preload=tuple(m for m in job.preload.split(",") if m.strip()), first_slot=first_slot,
+            external_store=external_store,
+        )
+
+    @property
+    def processes(self) -> int:
+        return self.nnodes * self.nproc_per_node
+
+    @property
+    def world_size(self) -> int:
+        return self.processes - self.spares
+
+    def validate(self) -> None:
+        if self.nproc_per_node < 1 or self.nnodes < 1:
+            raise ValueError("--nproc-per-node and --nnodes must be at least 1")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"--node-rank must be in [0, {self.nnodes}), got {self.node_rank}")
+        if self.spares < 0:
+            raise ValueError(f"--spares must be >= 0, got {self.spares}")
+        if self.spares >= self.processes:
+            raise ValueError(
+                f"--spares {self.spares} leaves no active rank among {self.processes} processes "
+                f"({self.nnodes} node(s) x {self.nproc_per_node}); use fewer spares or more processes"
+            )
+        if self.spare_wait < 0:
+            raise ValueError(f"--spare-wait must be >= 0, got {self.spare_wait}")
+        if self.max_restarts < 0:
+            raise ValueError(f"--max-restarts must be >= 0, got {self.max_restarts}")
+        if self.heartbeat_timeout <= self.heartbeat_interval:
+            raise ValueError("--heartbeat-timeout must exceed the heartbeat interval")
+        if self.nnodes > 1 and not self.token:
+            raise ValueError("multi-node jobs need the same join token on every node: set TORCHPASS_JOIN_TOKEN")
+        if self.nnodes > 1 and self.rdzv_endpoint.endswith(":0"):
+            raise ValueError("multi-node jobs need a fixed --rdzv-endpoint HOST:PORT reachable from every node")
+        if not self.command:
+            raise ValueError("no training script given")
+        if self.straggler_window < 0 or self.straggler_factor <= 1.0:
+            raise ValueError("--straggler-window must be >= 0 (0: off) and --straggler-factor > 1")
+        if self.health.interval_s <= 0:
+            raise ValueError("--health-interval must be > 0")
+        if self.metrics_addr is not None:
+            if importlib.util.find_spec("prometheus_client") is None:
+                raise ValueError("--metrics-addr needs prometheus-client: pip install 'torchpass-plugins[metrics]'")
+            if not self.metrics_addr.rpartition(":")[2].isdigit():
+                raise ValueError(f"--metrics-addr must be HOST:PORT, not {self.metrics_addr!r}")
+        if not is_source(self.health.source):
+            raise ValueError(f"--health-source must be nvml, file:PATH or off, not {self.health.source!r}")

@@ -1,0 +1,164 @@
+"""The job's policy: what to do about what the detectors observed. Pure: no store, no process, no clock.
+
+The mechanisms report observations and carry out the decision: the agent (a worker exited, a heartbeat or
+a node's agent fell silent, a device reading was classified), the coordinator (a rank exited, ranks were
+lost, a migration or straggler report, a stall verdict). Exit codes are interpreted here and nowhere else.
+
+=====================================  =============================================================
+observation                            decision
+=====================================  =============================================================
+worker exit, agent side                REJECTED: ABORT (this node stops); a failure while refill is on,
+                                       the job runs and the device is healthy: REFILL; else NOTHING
+rank exit, coordinator side            CONFIG_ERROR: ABORT; UNRECOVERABLE: give up (restartable);
+                                       OK (not leaving for a migration): FINISHED; else REPLACE
+ranks lost in one batch                training complete: ABORT; more than spares: WAIT (refill on and
+                                       a wait set) or give up (restartable); else REPLACE
+no refilled spare in time              give up (restartable)
+give up (restartable)                  RESTART while restarts are left, else ABORT
+migration request (health)             job over / unknown worker: NOTHING; a spare: RETIRE; a migration
+                                       under way or no spare: REFUSE; else MIGRATE
+straggler report                       MIGRATE if stragglers migrate, else WARN (already logged)
+stall verdict                          the silent ranks: EVICT; none silent: give up (restartable)
+heartbeat / node agent silent          longer than the heartbeat timeout: EVICT; else NOTHING
+device findings (in order)             degraded: WARN; the first critical: MIGRATE, and stop there
+=====================================  =============================================================
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from enum import Enum
+
+from torchpass_plugins.control.protocol import ExitCode
+from torchpass_plugins.health.watch import Finding
+
+
+class Action(Enum):
+    NOTHING = "nothing"
+    WARN = "warn"  # log it, keep going
+    MIGRATE = "migrate"  # move the rank to a reserved spare at an agreed step boundary
+    RETIRE = "retire"  # a spare on a suspect device leaves the pool
+    REFUSE = "refuse"  # a migration that cannot happen now: log why
+    EVICT = "evict"  # write off a live but silent worker (or node): SIGKILL it, its ranks are lost
+    FINISHED = "finished"  # the rank completed its work
+    REPLACE = "replace"  # the rank is lost: a spare takes it (for a batch: the spares take them now)
+    WAIT = "wait"  # more ranks lost than spares free: wait for refilled workers to join the pool
+    REFILL = "refill"  # start a fresh worker in the freed slot; it joins the spare pool
+    RESTART = "restart"  # restart every worker; the job resumes from its newest snapshot
+    ABORT = "abort"  # stop the job with the message
+
+
+@dataclass(frozen=True)
+class Decision:
+    action: Action
+    why: str = ""
+
+
+NOTHING = Decision(Action.NOTHING)
+
+
+@dataclass(frozen=True)
+class Policy:
+    """The knobs of ``torchpass launch`` that decide, for one attempt of the job."""
+
+    restarts_left: int = 0  # a failure no spare can fix restarts the job this many more times
+    spare_wait_s: float = 0.0  # more ranks lost than spares free: wait this long for refilled workers
+    refill: bool = True  # agents start a fresh worker in a failed worker's slot
+    straggler_migrate: bool = False  # move a straggler to a spare (else only log it)
+    heartbeat_timeout: float = 30.0  # seconds of silence after which a worker or a node's agent is written off
+
+    def give_up(self, message: str, restartable: bool) -> Decision:
+        """A failure no spare can fix: restart while restarts are left, if a restart can get past it."""
+        return Decision(Action.RESTART if restartable and self.restarts_left > 0 else Action.ABORT, message)
+
+    # -- exits --------------------------------------------------------------------------------------
+    def worker_exited(self, code: int, *, job_done: bool, device_healthy: bool) -> Decision:
+        """The agent saw one of its workers exit."""
+        if code == ExitCode.REJECTED:
+            return Decision(Action.ABORT, "wrong join token")
+        if code in (ExitCode.OK, ExitCode.CONFIG_ERROR, ExitCode.UNRECOVERABLE):
+            return NOTHING  # done, or the job stops (or restarts every worker) anyway
+        return Decision(Action.REFILL) if self.refill and not job_done and device_healthy else NOTHING
+
+    def rank_exited(self, code: int, worker: str, rank: int, *, migrating: bool, request: str | None) -> Decision:
+        """The worker of logical rank ``rank`` exited; ``request``: its own message (``abort_request_key``),
+        ``migrating``: it left for a planned migration that could not happen (its spare was lost)."""
+        if code == ExitCode.CONFIG_ERROR:  # a mistake every worker would repeat: no spare, no restart
+            return Decision(Action.ABORT, request or f"worker {worker} (logical rank {rank}) stopped on a "
+                                                     "configuration error; see its output")
+        if code == ExitCode.UNRECOVERABLE:
+            return self.give_up(request or f"worker {worker} (logical rank {rank}) found the lost state "
+                                           "unrecoverable; see its output", restartable=True)
+        if code == ExitCode.OK and not migrating:
+            return Decision(Action.FINISHED)
+        return Decision(Action.REPLACE)
+
+    def ranks_lost(self, lost: list[int], spares: int, *, training_complete: bool) -> Decision:
+        """The ranks lost so far (one batch of reports, and those still waiting for a spare)."""
+        if training_complete:
+            # Every rank had passed the barrier that ends training: nothing to recover, nothing to
+            # recompute, but what the lost worker's script had left to do after ``fit`` is lost.
+            return Decision(Action.ABORT, f"rank(s) {lost} failed after training had completed on every rank (in "
+                                          "the script's code after fit, or at exit); the job is not restarted")
+        if len(lost) <= spares:
+            return Decision(Action.REPLACE)
+        if self.refill and self.spare_wait_s > 0:
+            return Decision(Action.WAIT, f"{len(lost)} rank(s) lost, {spares} spare(s) free")
+        return self._too_few_spares(lost, spares, "")
+
+    def spares_not_refilled(self, lost: list[int], spares: int) -> Decision:
+        """The wait for refilled workers ended with ranks still lacking a spare."""
+        return self._too_few_spares(lost, spares, f" (none joined within {self.spare_wait_s:g} s)")
+
+    def _too_few_spares(self, lost: list[int], spares: int, waited: str) -> Decision:
+        return self.give_up(
+            f"{len(lost)} worker(s) lost (logical rank(s) {lost}) but {spares} spare(s) left{waited}: "
+            "the job cannot continue without recomputation. Relaunch with more --spares, or resume "
+            "from the newest snapshot.",
+            restartable=True,
+        )
+
+    # -- requests to move a rank ---------------------------------------------------------------------
+    def migration_requested(self, *, job_over: bool, is_spare: bool, is_rank: bool, moving: bool,
+                            spares: int) -> Decision:
+        """A health watch asks to move a worker off its device."""
+        if job_over or not (is_spare or is_rank):
+            return NOTHING
+        if is_spare:
+            return Decision(Action.RETIRE)
+        if moving:
+            return Decision(Action.REFUSE, "another migration is in progress")
+        if not spares:
+            return Decision(Action.REFUSE, "no spare left")
+        return Decision(Action.MIGRATE)
+
+    def straggler(self, why: str) -> Decision:
+        """The ranks judged a rank a straggler (rank 0 has logged the verdict)."""
+        return Decision(Action.MIGRATE if self.straggler_migrate else Action.WARN, why)
+
+    def stall_verdict(self, gen: int, silent: list[str]) -> Decision:
+        """Collectives of generation ``gen`` timed out; ``silent``: the working ranks' workers that did not
+        report a timeout within the grace (alive, but not in the collective the others wait in)."""
+        if not silent:
+            return self.give_up(f"every rank's collective timed out in generation {gen}, none of them was lost: "
+                                "a collective that not all ranks issue, or a network fault", restartable=True)
+        return Decision(Action.EVICT, f"stalled the collectives of generation {gen}: alive, but not in them when "
+                                      "the others timed out")
+
+    # -- detectors ------------------------------------------------------------------------------------
+    def silence(self, silent_s: float) -> Decision:
+        """A worker's heartbeat, or the agent of another node, has not moved for ``silent_s``."""
+        if silent_s > self.heartbeat_timeout:
+            return Decision(Action.EVICT, f"silent for {silent_s:.1f} s")
+        return NOTHING
+
+    def device_findings(self, findings: Iterable[Finding]) -> list[Decision]:
+        """What a device's findings call for, in order: the first critical one moves its worker away."""
+        out = []
+        for finding in findings:
+            if finding.severity == "critical":
+                out.append(Decision(Action.MIGRATE, finding.why))
+                break
+            out.append(Decision(Action.WARN, finding.why))
+        return out

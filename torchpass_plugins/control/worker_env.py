@@ -1,0 +1,41 @@
+"""What the agent tells each worker it starts: one dataclass, passed as one JSON environment variable.
+
+The straggler settings' defaults are the configuration's (``StragglerConfig``); the agent always sets them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+
+from torchpass_plugins.config import StragglerConfig
+
+VARIABLE = "TORCHPASS_WORKER"
+
+
+@dataclass(frozen=True)
+class WorkerEnv:
+    store: str  # HOST:PORT of the job's store
+    token: str
+    worker_id: str
+    world_size: int
+    node_rank: int
+    local_slot: int
+    run_dir: str
+    seed: int
+    heartbeat_interval: float
+    attempt: int = 0  # restarts of the whole job so far
+    straggler_window: int = StragglerConfig.window
+    straggler_factor: float = StragglerConfig.factor
+    agent_pid: int = 0  # the process that started this worker (the agent or its fork server); 0: none to follow
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] = os.environ) -> WorkerEnv | None:
+        """The settings of this worker, or None in a process no torchpass agent started."""
+        text = environ.get(VARIABLE)
+        return cls(**json.loads(text)) if text else None
+
+    def to_env(self) -> dict[str, str]:
+        return {VARIABLE: json.dumps(asdict(self))}

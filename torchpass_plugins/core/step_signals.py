@@ -1,0 +1,92 @@
+"""Planned migrations and step times, carried by a collective every step makes anyway.
+
+Each rank contributes a row to a sum every rank receives (``torchpass_ddp`` and ``TorchPass`` append it to
+the commit vote, ``torchpass_fsdp`` all-reduces it at the boundary), so every rank reads the same total
+and takes the same decisions without a message of its own: which rank moves to a spare at which
+boundary, and which ranks are stragglers. The straggler verdict is an observation sent to the
+coordinator; whether the rank moves is the coordinator's decision.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+import torch
+
+from torchpass_plugins.control.membership import Member
+from torchpass_plugins.control.protocol import Straggler, send
+from torchpass_plugins.control.worker_env import WorkerEnv
+from torchpass_plugins.core.process_group import ReconfigurableGroup
+from torchpass_plugins.health.stragglers import StepTimer, stragglers
+from torchpass_plugins.observe.events import EventLog
+
+
+class StepSignals:
+    """One rank's side of the per-step signals: its row, and the decisions taken from the total."""
+
+    def __init__(self, env: WorkerEnv, member: Member, group: ReconfigurableGroup, events: EventLog) -> None:
+        self.env, self.member, self.group, self.events = env, member, group, events
+        self.timer = StepTimer(env.straggler_window)
+        self.drain: tuple[int, int, str] | None = None  # agreed planned migration: (boundary, rank, its worker)
+        self._judged = -1  # the step of the last straggler verdict
+        self._reported_slow = False
+
+    def row(self) -> torch.Tensor:
+        """This rank's row: a 1 at the index of a rank the coordinator asked to migrate (if this rank has
+        seen that notice), and this rank's median compute time per step at ``world_size + rank``."""
+        w, rank, gen = self.env.world_size, self.group.rank, self.group.gen
+        row = [0.0] * (2 * w)  # built in Python: one tensor op instead of several, on the step's hot path
+        notice = self.member.drain_notice
+        if notice is not None and self.member.roster(gen).ranks[notice["rank"]] != notice["worker"]:
+            self.member.drain_carried_out()  # stale: that worker no longer holds the rank
+            notice = None
+        if notice is not None:
+            row[notice["rank"]] = 1.0
+        row[w + rank] = self.timer.median
+        return torch.tensor(row, dtype=torch.float64)
+
+    def take(self, total: torch.Tensor, step: int, drain_at: int) -> None:
+        """``total``: the sum of every rank's :meth:`row` at step ``step``, the same on every rank, so every
+        rank takes the same decisions: the migration (at boundary ``drain_at``) and the verdict."""
+        w = self.env.world_size
+        values = total.tolist()
+        asked = next((r for r in range(w) if values[r]), None)
+        if asked is not None and self.drain is None:
+            self.drain = (drain_at, asked, self.member.roster(self.group.gen).ranks[asked])
+        window = self.timer.window
+        if window and step and step % window == 0 and self._judged != step:
+            self._judged = step
+            self._judge(values[w:], step)
+
+    def _judge(self, medians: list[float], step: int) -> None:
+        rank = self.group.rank
+        slow = stragglers(medians, self.env.straggler_factor)
+        if not slow:
+            return
+        if rank == 0:  # one record for the job
+            self.events.emit("straggler", ranks=slow, step=step, window=self.timer.window,
+                             compute_s=medians, factor=self.env.straggler_factor)
+        if rank in slow and not self._reported_slow:  # the coordinator's policy decides whether it moves
+            self._reported_slow = True
+            typical = statistics.median(medians)
+            why = f"straggler: rank {rank} computes {medians[rank] / typical:.2f}x the median step"
+            send(self.member.store, Straggler(self.env.worker_id, why))
+
+    def drain_due(self, step: int) -> int | None:
+        """The logical rank that moves to a spare at this boundary, if one does. A migration whose worker
+        was lost meanwhile (and replaced by a recovery) is dropped: its rank has moved already."""
+        if self.drain is None or self.drain[0] != step:
+            return None
+        _, rank, worker = self.drain
+        if self.member.roster(self.group.gen).ranks[rank] != worker:
+            self.drain = None
+            self.member.drain_carried_out()
+            return None
+        return rank
+
+    def take_drain(self) -> int:
+        """The agreed migration happens now: forget it and return the rank that moves."""
+        rank = self.drain[1]
+        self.drain = None
+        self.member.drain_carried_out()
+        return rank
