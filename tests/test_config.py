@@ -106,7 +106,7 @@ def test_the_launch_flags_are_made_from_the_settings_and_launch_argv_round_trips
 
 def test_the_worker_is_told_everything_through_one_variable(monkeypatch):
     env = WorkerEnv(store="h:1", token="t", worker_id="n0-s1-i0", world_size=3, node_rank=0, local_slot=1,
-                    run_dir="/r", seed=7, heartbeat_interval=0.5, attempt=2, straggler_migrate=True, agent_pid=42)
+                    run_dir="/r", seed=7, heartbeat_interval=0.5, attempt=2, agent_pid=42)
     variables = env.to_env()
     assert list(variables) == [VARIABLE] and WorkerEnv.from_env(variables) == env
     monkeypatch.delenv(VARIABLE, raising=False)

@@ -133,14 +133,14 @@ def test_no_nvml_library_is_one_clear_line_and_the_watch_is_off(caplog):
     with pytest.raises(HealthUnavailable, match="Library Not Found"):
         NvmlHealthSource(_FakeNvml([], library=False))
     with caplog.at_level(logging.WARNING, logger="torchpass_plugins.health.watch"):
-        assert HealthConfig(source="nvml").open() is None  # the real pynvml: this machine has no GPU
+        assert HealthConfig(source="nvml", interval_s=5.0).open() is None  # the real pynvml: this machine has no GPU
     [record] = caplog.records
     assert "GPU health watch off" in record.getMessage()
 
 
 def test_injected_readings_and_the_policy_thresholds(tmp_path):
     path = tmp_path / "health.json"
-    source = HealthConfig(source=f"file:{path}").open()
+    source = HealthConfig(source=f"file:{path}", interval_s=5.0).open()
     assert isinstance(source, FileHealthSource)
     assert source.read([0, 1]) == [DeviceHealth(0), DeviceHealth(1)]  # no file yet: healthy
     path.write_text(json.dumps({"1": {"temperature_c": 88, "ecc_uncorrected_volatile": 2}}))
@@ -153,7 +153,7 @@ def test_injected_readings_and_the_policy_thresholds(tmp_path):
     with pytest.raises(ValueError, match="unknown health fields"):
         source.read([1])
     with pytest.raises(ValueError, match="'nvml', 'file:PATH' or 'off'"):
-        HealthConfig(source="smi").open()
+        HealthConfig(source="smi", interval_s=5.0).open()
 
 
 def test_step_timer_subtracts_collective_waits_and_windows_align():
@@ -188,4 +188,5 @@ def test_the_watch_reports_critical_findings_every_reading_and_a_degraded_one_on
     watch = HealthWatch(HealthConfig(source=f"file:{path}", interval_s=0.01))
     watch.run(lambda: [0, 1], report, done)  # device 2 is not watched (its worker was moved off)
     assert reports == [(0, [("degraded", "temperature")])] + [(1, [("critical", "xid")])] * 4
-    HealthWatch(HealthConfig(source="off")).run(lambda: [0], report, threading.Event())  # returns at once
+    off = HealthWatch(HealthConfig(source="off", interval_s=5.0))
+    off.run(lambda: [0], report, threading.Event())  # returns at once

@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from torchpass_plugins.core.peer_memory import SegmentId
 from torchpass_plugins.core.process_group import PeerFailure
-from torchpass_plugins.core.ring_replication import RingReplicator
+from torchpass_plugins.core.ring_replication import RingReplicator, map_predecessor
 from torchpass_plugins.core.state_transfer import pack, unpack
 
 ROUNDS = 4
@@ -110,7 +110,7 @@ def test_a_replica_is_the_predecessors_shard_and_outlives_it(share_memory, many)
 def test_a_segment_gone_with_its_writer_is_a_peer_failure_not_a_crash():
     """Once a generation maps its predecessor's segments, a segment that cannot be opened means the
     predecessor died after announcing it: the round fails like any lost peer's (the older replica stays)."""
-    replicator = RingReplicator(side=None, every=1, _pred_mapped=True)
     gone = SegmentId(pid=2**22 + 1, fd=3, dev=0, ino=0)  # above the default pid_max: no such process
+    assert map_predecessor(gone, 4096, settled=False) is None  # not settled yet: the bytes come over the group
     with pytest.raises(PeerFailure, match="segment is gone"):
-        replicator._map(gone, 4096)
+        map_predecessor(gone, 4096, settled=True)

@@ -22,7 +22,7 @@ from dataclasses import MISSING, Field, dataclass, field, fields, is_dataclass
 from typing import Any, Optional
 
 from torchpass_plugins.errors import ConfigError
-from torchpass_plugins.health.watch import is_source
+from torchpass_plugins.health.watch import HealthThresholds, is_source
 
 
 def setting(default: Any, doc: str, flag: str | None = None, choices: tuple | None = None,
@@ -62,10 +62,11 @@ class HealthSettings:
     source: str = setting("nvml", "GPU health readings: nvml, file:PATH (JSON {device: {field: value}}, for "
                                   "drills), or off", "--health-source")
     interval_s: float = setting(5.0, "seconds between health readings", "--health-interval")
-    temperature_warn_c: Optional[float] = setting(85.0, "deg C from which a worker's GPU is logged as hot",
-                                                  "--temperature-warn")
-    temperature_migrate_c: Optional[float] = setting(92.0, "deg C from which a worker is moved off its GPU to a "
-                                                           "spare", "--temperature-migrate")
+    temperature_warn_c: Optional[float] = setting(
+        HealthThresholds.temperature_warn_c, "deg C from which a worker's GPU is logged as hot", "--temperature-warn")
+    temperature_migrate_c: Optional[float] = setting(
+        HealthThresholds.temperature_migrate_c, "deg C from which a worker is moved off its GPU to a spare",
+        "--temperature-migrate")
 
 
 @dataclass

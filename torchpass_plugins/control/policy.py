@@ -30,6 +30,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from enum import Enum
 
+from torchpass_plugins.config import TimeoutConfig
 from torchpass_plugins.control.protocol import ExitCode
 from torchpass_plugins.health.watch import Finding
 
@@ -66,7 +67,7 @@ class Policy:
     spare_wait_s: float = 0.0  # more ranks lost than spares free: wait this long for refilled workers
     refill: bool = True  # agents start a fresh worker in a failed worker's slot
     straggler_migrate: bool = False  # move a straggler to a spare (else only log it)
-    heartbeat_timeout: float = 30.0  # seconds of silence after which a worker or a node's agent is written off
+    heartbeat_timeout: float = TimeoutConfig.heartbeat_s  # silence after which a worker or node is written off
 
     def give_up(self, message: str, restartable: bool) -> Decision:
         """A failure no spare can fix: restart while restarts are left, if a restart can get past it."""

@@ -95,6 +95,11 @@ def reached_key(rank: int) -> str:
     return f"reached/{rank}"
 
 
+def spare_error_key(rank: int) -> str:
+    """The error of the last spare promoted to ``rank`` that failed before completing a step."""
+    return f"spare_error/{rank}"
+
+
 @dataclass(frozen=True)
 class Roster:
     """Generation ``gen`` of the job: logical rank ``r`` is run by worker ``ranks[r]``."""

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from torchpass_plugins.config import TimeoutConfig
 from torchpass_plugins.control.membership import JobAborted, JoinRejected, Unrecoverable
-from torchpass_plugins.control.protocol import ExitCode, abort_request_key
+from torchpass_plugins.control.protocol import ExitCode, abort_request_key, spare_error_key
 from torchpass_plugins.control.worker_env import WorkerEnv
 from torchpass_plugins.core.runtime import Runtime
 from torchpass_plugins.errors import ConfigError
@@ -133,7 +133,7 @@ def _leave_on_uncaught(exc_type, exc, tb) -> None:
         os._exit(1)
     if _RUNTIME is not None and _RUNTIME.unproven_spare and not issubclass(exc_type, (ConfigError, JoinRejected)):
         error = f"{exc_type.__name__}: {exc}".splitlines()[0]
-        if _RUNTIME.error_repeats(error):
+        if _error_repeats(_RUNTIME, error):
             sys.excepthook(exc_type, exc, tb)
             _RUNTIME.member.store.set(abort_request_key(_RUNTIME.env.worker_id), (
                 f"torchpass: two spares promoted to rank {_RUNTIME.rank} failed the same way before completing "
@@ -146,3 +146,13 @@ def _leave_on_uncaught(exc_type, exc, tb) -> None:
     if issubclass(exc_type, ConfigError):
         sys.stderr.flush()
         os._exit(ExitCode.CONFIG_ERROR)
+
+
+def _error_repeats(runtime: Runtime, error: str) -> bool:
+    """An unproven spare failed with ``error``: True when this rank's previous spare failed the same way
+    (every spare would: the job must stop), else it is noted for the next one."""
+    key, store = spare_error_key(runtime.rank), runtime.member.store
+    if store.check([key]) and store.get(key).decode() == error:
+        return True
+    store.set(key, error)
+    return False

@@ -209,12 +209,19 @@ class RingReplicator:
         """The predecessor's segment mapped here, or ``None`` where it travels over the side group."""
         if not self.share_memory or self._pred_mapped is False or segment.pid < 0:
             return None
-        try:
-            return map_peer(segment, nbytes)
-        except OSError as exc:
-            if self._pred_mapped:  # settled: the bytes will not come over the group; the predecessor died
-                raise PeerFailure(f"the predecessor's segment is gone: {exc}") from exc  # (its segment with it)
-            return None
+        return map_predecessor(segment, nbytes, settled=bool(self._pred_mapped))
+
+
+def map_predecessor(segment: SegmentId, nbytes: int, settled: bool) -> torch.Tensor | None:
+    """Map the predecessor's segment; ``None`` where it cannot be mapped while this generation has not
+    ``settled`` that it maps (then the bytes come over the side group). Once settled, a segment that cannot
+    be opened means the predecessor died after announcing it: a ``PeerFailure`` like any lost peer's."""
+    try:
+        return map_peer(segment, nbytes)
+    except OSError as exc:
+        if settled:
+            raise PeerFailure(f"the predecessor's segment is gone: {exc}") from exc  # (its segment with it)
+        return None
 
 
 def _retire_oldest(packs: dict[int, Packed]) -> Packed | None:

@@ -38,7 +38,6 @@ from torchpass_plugins.observe.events import EventLog
 from torchpass_plugins.testing import faults
 
 T = TypeVar("T")
-_SPARE_ERROR = "torchpass/spare_error/"  # + rank: the error of the last spare that failed before its first step
 PROGRESS_EVERY_S = 0.5  # a ``progress`` event per rank at most this often: a timeline, not a firehose
 
 
@@ -133,16 +132,6 @@ class Runtime:
                 self.transport.configure(gen, rank)
             except PeerFailure:
                 pass  # a failure before the first step: the first collective recovers
-
-    def error_repeats(self, error: str) -> bool:
-        """An unproven spare failed with ``error``: True when this rank's previous spare failed the same way
-        (every spare would: the job must stop), else it is noted for the next one."""
-        key = f"{_SPARE_ERROR}{self.rank}"
-        store = self.member.store
-        if store.check([key]) and store.get(key).decode() == error:
-            return True
-        store.set(key, error)
-        return False
 
     def enter_as_spare(self, plan: RecoveryPlan | None = None) -> None:
         """Spare side of a recovery: join the group and receive the state (called once ``adapter`` is set),

@@ -231,10 +231,11 @@ def is_source(source: str) -> bool:
 
 @dataclass
 class HealthConfig:
-    """``source``: ``nvml`` (default), ``file:PATH`` (injected readings), or ``off``."""
+    """``source``: ``nvml``, ``file:PATH`` (injected readings), or ``off``; built from the job's
+    configuration (``HealthSettings``), which holds the defaults."""
 
-    source: str = "nvml"
-    interval_s: float = 5.0
+    source: str
+    interval_s: float
     thresholds: HealthThresholds = field(default_factory=HealthThresholds)
 
     def open(self) -> HealthSource | None:
