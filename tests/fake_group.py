@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from torchpass_plugins.core.process_group import PeerFailure
+from torchpass_plugins.core.process_group import PeerFailure, generation_error
 
 if TYPE_CHECKING:
     from fake_engine import FakeMember, FakeWorld
@@ -127,11 +127,7 @@ class FakeGroup:
         return self.member.latest_gen > self.gen
 
     def errored(self) -> str | None:
-        if self._generation is None:
-            return "no group built yet"
-        if self.stale():
-            return f"generation {self.member.latest_gen} replaced {self.gen}"
-        return self._failure
+        return generation_error(self._generation is not None, self.gen, self.member.latest_gen, self._failure)
 
     def check(self) -> None:
         why = self.errored()

@@ -47,6 +47,15 @@ class PeerFailure(RuntimeError):
     """A collective could not complete in this generation: a peer died or a newer roster exists."""
 
 
+def generation_error(built: bool, gen: int, latest_gen: int, failure: str | None) -> str | None:
+    """Why a generation's group is unusable (not built, a newer roster, a failure it saw); None if usable."""
+    if not built:
+        return "no group built yet"
+    if latest_gen > gen:
+        return f"generation {latest_gen} replaced {gen}"
+    return failure
+
+
 class ReconfigurableGroup(dist.ProcessGroup):
     """The member's process group, at its logical rank, in the current generation."""
 
@@ -91,11 +100,7 @@ class ReconfigurableGroup(dist.ProcessGroup):
 
     def errored(self) -> str | None:
         """Why this generation's group cannot be used (a failure seen, a newer roster, none built); else None."""
-        if not self._groups:
-            return "no group built yet"
-        if self.stale():
-            return f"generation {self.member.latest_gen} replaced {self.gen}"
-        return self._failure
+        return generation_error(bool(self._groups), self.gen, self.member.latest_gen, self._failure)
 
     def check(self) -> None:
         """Raise ``PeerFailure`` if this generation's group cannot be used (:meth:`errored`)."""

@@ -27,7 +27,7 @@ from torchmetrics.classification import MulticlassAccuracy
 
 import torchpass_plugins  # noqa: F401  (registers "torchpass_ddp" and "torchpass_fsdp")
 from torchpass_plugins import TorchPassCallback, TorchPassDDPStrategy, TorchPassFSDPStrategy
-from torchpass_plugins.integrations.lightning.fsdp import trainable_only
+from torchpass_plugins.integrations.lightning.fsdp_state import trainable_only
 
 
 def make_dataset(samples: int = 480, features: int = 16, classes: int = 4) -> TensorDataset:

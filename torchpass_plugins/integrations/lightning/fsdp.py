@@ -28,7 +28,7 @@ from typing_extensions import override
 
 from torchpass_plugins._compat.lightning import apply_layer_sync, refuse_unsupported
 from torchpass_plugins.control.membership import Unrecoverable
-from torchpass_plugins.core import default_group, shard_state
+from torchpass_plugins.core import default_group
 from torchpass_plugins.core.default_group import PoisoningGroup
 from torchpass_plugins.core.process_group import PeerFailure, ReconfigurableGroup
 from torchpass_plugins.core.ring_replication import RingReplicator
@@ -41,17 +41,11 @@ from torchpass_plugins.integrations.lightning.fsdp_state import (
     ShardedState,
     load_sharded_checkpoint,
     save_sharded_checkpoint,
-    set_hyperparameters,
 )
 from torchpass_plugins.integrations.lightning.step_replay import ReplayFetcher, StepFailed
 from torchpass_plugins.testing import faults
 
 StateFilter = Callable[[str, nn.Parameter], bool]
-
-
-def trainable_only(name: str, param: nn.Parameter) -> bool:
-    """A model-aware ``state_filter``: frozen parameters never change, so their shards need not move."""
-    return param.requires_grad
 
 
 class TorchPassFSDPStrategy(PoisonedCollectives, TorchPassDDPStrategy):
@@ -91,7 +85,6 @@ class TorchPassFSDPStrategy(PoisonedCollectives, TorchPassDDPStrategy):
             raise ConfigError(f"torchpass: replicate_every_n_steps must be >= 0, got {replicate_every_n_steps}")
         super().__init__(accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin, timeout,
                          process_group_backend=process_group_backend)
-        self._timeout = self.runtime.transport.timeout
         self._policy = auto_wrap_policy
         self.state_filter = state_filter
         self._shard_kwargs: dict[str, Any] = {"reshard_after_forward": reshard_after_forward}
@@ -99,8 +92,8 @@ class TorchPassFSDPStrategy(PoisonedCollectives, TorchPassDDPStrategy):
             self._shard_kwargs["mp_policy"] = mp_policy
         if offload_policy is not None:
             self._shard_kwargs["offload_policy"] = offload_policy
-        self.replicator = RingReplicator(ReconfigurableGroup(self.runtime.member, self._timeout, "repl"),
-                                         replicate_every_n_steps)
+        side = ReconfigurableGroup(self.runtime.member, self.runtime.transport.timeout, "repl")
+        self.replicator = RingReplicator(side, replicate_every_n_steps)
         self.runtime.side_transports.append(self.replicator.side)
         self.runtime.rank_state = None  # carried by the replication round instead (with the shard)
         self.sharded = ShardedState(self)
@@ -122,7 +115,7 @@ class TorchPassFSDPStrategy(PoisonedCollectives, TorchPassDDPStrategy):
             raise ConfigError("torchpass_fsdp replicates each shard on another rank: it needs devices >= 2")
         rt = self.runtime
         self.relay = default_group.install(
-            PoisoningGroup(rt.transport, rt.rank, rt.world_size, self._before_reduce), self._timeout)
+            PoisoningGroup(rt.transport, rt.rank, rt.world_size, self._before_reduce), rt.transport.timeout)
         if rt.is_spare:
             rt.enter_as_spare(ShardedPlan(self))
             return
@@ -185,7 +178,7 @@ class TorchPassFSDPStrategy(PoisonedCollectives, TorchPassDDPStrategy):
             return  # load_checkpoint has put the shards in place
         if self.sharded.incoming is None:
             return super().load_model_state_dict(checkpoint, strict)
-        shard_state.restore(self.lightning_module, None, {"params": self.sharded.incoming["params"], "optim": {}})
+        self.sharded.restore_incoming_parameters()
 
     @override
     def load_optimizer_state_dict(self, checkpoint: dict[str, Any]) -> None:
@@ -193,10 +186,7 @@ class TorchPassFSDPStrategy(PoisonedCollectives, TorchPassDDPStrategy):
             return
         if self.sharded.incoming is None:
             return super().load_optimizer_state_dict(checkpoint)
-        incoming, self.sharded.incoming = self.sharded.incoming, None
-        for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"], strict=True):
-            set_hyperparameters(optimizer, state["param_groups"])
-        shard_state.restore(self.lightning_module, self.optimizers[0], {"params": {}, "optim": incoming["optim"]})
+        self.sharded.restore_incoming_optimizer(checkpoint["optimizer_states"])
 
     # -- the training step ------------------------------------------------------------------------------
     @override
@@ -229,9 +219,7 @@ class TorchPassFSDPStrategy(PoisonedCollectives, TorchPassDDPStrategy):
     def _boundary(self, step: int) -> None:
         self.relay.after_step = None
         self.runtime.boundary(step)
-        if self.sharded.entering_own is not None:
-            self.sharded.load_own(self.sharded.entering_own)
-            self.sharded.entering_own = None
+        self.sharded.adopt_entering_own()
         self.sharded.own[step] = self.sharded.own_state()
         self._raise_if_failed()
         self._exchange_signals(step)
@@ -243,11 +231,10 @@ class TorchPassFSDPStrategy(PoisonedCollectives, TorchPassDDPStrategy):
         self._replicate(step, wait=False)
         oldest = min(self.replicator.own, default=step)
         self.fetcher.forget_before(oldest)
-        for old in [s for s in self.sharded.own if s < oldest]:
-            del self.sharded.own[old]
+        self.sharded.forget_before(oldest)
 
     def _exchange_signals(self, step: int) -> None:
-        """Planned migrations and step times (:meth:`Runtime.signals`): one small all-reduce per step, the
+        """Planned migrations and step times (:class:`StepSignals`): one small all-reduce per step, the
         only collective of the boundary (DDP carries them on its commit vote instead)."""
         signals = self.runtime.signals.row()
         try:
@@ -347,20 +334,12 @@ class TorchPassFSDPStrategy(PoisonedCollectives, TorchPassDDPStrategy):
 
     @override
     def snapshot_state(self) -> tuple[Any, set[int]]:
-        """This rank's whole shard (model-aware filtering does not apply: a snapshot is the last resort) and
-        the rest of the boundary state; the shard stays unchanged until the optimizer step."""
-        optimizer = self.optimizers[0] if self.optimizers else None
-        shard = shard_state.capture(self.lightning_module, optimizer)
-        stable = {t.data_ptr() for t in shard["params"].values()}
-        stable |= {t.data_ptr() for values in shard["optim"].values() for t in values.values()}
-        step = self.lightning_module.trainer.global_step
-        return {"host": self.sharded.host_checkpoint(step), "shard": shard, "own": self.sharded.own[step]}, stable
+        """This rank's whole shard and the rest of the boundary state (:meth:`ShardedState.snapshot`)."""
+        return self.sharded.snapshot(self.lightning_module.trainer.global_step)
 
     @override
     def load_snapshot(self, state: Any) -> None:
-        self.sharded.incoming = state["shard"]  # loaded into the shards once they exist (after setup)
-        self.sharded.entering_own = state["own"]
-        self.adapter.load_state(state["host"])
+        self.sharded.receive_snapshot(state)
 
     # -- recovery -----------------------------------------------------------------------------------------
     def _recover(self, cause: str) -> int:

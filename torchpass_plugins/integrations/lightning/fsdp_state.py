@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch import Tensor
+from torch import Tensor, nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.optim import Optimizer
 
@@ -40,6 +40,11 @@ def set_hyperparameters(optimizer: Optimizer, groups: list[dict[str, Any]]) -> N
         group.update(values)
 
 
+def trainable_only(name: str, param: nn.Parameter) -> bool:
+    """A model-aware ``state_filter``: frozen parameters never change, so their shards need not move."""
+    return param.requires_grad
+
+
 class ShardedState:
     """One rank's kept state under ``torchpass_fsdp``, at recent step boundaries."""
 
@@ -49,6 +54,23 @@ class ShardedState:
         self.entering_own: dict | None = None  # a spare's: the lost rank's, adopted at its first boundary
         self.incoming: dict | None = None  # a spare's shard, applied when Lightning restores the model
         self.handing_over = False  # Lightning's checkpoint is being dumped for a spare: no model, no optimizer
+
+    def snapshot(self, step: int) -> tuple[dict, set[int]]:
+        """For a snapshot at boundary ``step``: this rank's whole shard (model-aware filtering does not
+        apply: a snapshot is the last resort), its own state and the host part, and the ``data_ptr`` of the
+        shard tensors, which stay unchanged until the optimizer step (copied in the background)."""
+        s = self.strategy
+        shard = shard_state.capture(s.lightning_module, s.optimizers[0] if s.optimizers else None)
+        stable = {t.data_ptr() for t in shard["params"].values()}
+        stable |= {t.data_ptr() for values in shard["optim"].values() for t in values.values()}
+        return {"host": self.host_checkpoint(step), "shard": shard, "own": self.own[step]}, stable
+
+    def receive_snapshot(self, state: dict) -> None:
+        """Resuming from a snapshot: its shard is loaded once the shards exist (after setup), its own state at
+        the first boundary, the rest through Lightning's restore now."""
+        self.incoming = state["shard"]
+        self.entering_own = state["own"]
+        self.strategy.adapter.load_state(state["host"])
 
     def skipped_parameters(self) -> frozenset[str]:
         """Model-aware mode: the parameters ``state_filter`` leaves out of replicas and hand-overs."""
@@ -63,6 +85,17 @@ class ShardedState:
         starts again from this copy, and a spare from its predecessor's, which the ring replica carries."""
         return {"buffers": self.buffers(), "rank": copy.deepcopy(self.strategy.adapter.rank_state())}
 
+    def adopt_entering_own(self) -> None:
+        """A spare at its first boundary: the lost rank's own state, received with its shard, becomes its own."""
+        if self.entering_own is not None:
+            self.load_own(self.entering_own)
+            self.entering_own = None
+
+    def forget_before(self, step: int) -> None:
+        """Own states older than the oldest kept replica round can no longer be restored to."""
+        for old in [s for s in self.own if s < step]:
+            del self.own[old]
+
     def buffers(self) -> dict[str, Tensor]:
         return {name: b.detach().clone() for name, b in self.strategy.lightning_module.named_buffers()}
 
@@ -75,6 +108,17 @@ class ShardedState:
         with torch.no_grad():
             for name, value in buffers.items():
                 named[name].copy_(value)
+
+    def restore_incoming_parameters(self) -> None:
+        """A spare, as Lightning restores the model: the received parameter shards into the sharded model."""
+        shard_state.restore(self.strategy.lightning_module, None, {"params": self.incoming["params"], "optim": {}})
+
+    def restore_incoming_optimizer(self, optimizer_states: list[dict[str, Any]]) -> None:
+        """Then, as Lightning restores the optimizers: the received optimizer shard and the hyperparameters."""
+        s, incoming, self.incoming = self.strategy, self.incoming, None
+        for optimizer, state in zip(s.optimizers, optimizer_states, strict=True):
+            set_hyperparameters(optimizer, state["param_groups"])
+        shard_state.restore(s.lightning_module, s.optimizers[0], {"params": {}, "optim": incoming["optim"]})
 
     def capture_shard(self) -> dict:
         s = self.strategy
