@@ -18,12 +18,12 @@ from torch.utils.data import DataLoader, RandomSampler, SequentialSampler, Tenso
 from torchmetrics.classification import MulticlassAccuracy
 
 from torchpass_plugins._compat.lightning import (
+    continue_from_boundary,
     dataloader_with_sampler,
     dump_checkpoint,
     load_rank_local_state,
     optimizers_to_device,
     rank_local_state,
-    replayed_batch_end,
     restore_at_fit_start,
     restoring_a_checkpoint,
     rewind_loops,
@@ -145,13 +145,46 @@ def test_the_users_sampler_is_found_inside_lightnings_distributed_wrapper():
     assert users_sampler(mine) is None
 
 
-def test_a_restarted_epoch_loops_replayed_batch_end_is_seen_and_cleared():
-    loop = _fit(2).fit_loop.epoch_loop
-    ready = loop.batch_progress.total.ready
-    assert not replayed_batch_end(loop, ready)  # not restarted
-    loop._skip_next_val = True  # what restoring a state saved after the batch's end sets
-    assert replayed_batch_end(loop, ready) and not loop._skip_next_val
-    assert not replayed_batch_end(loop, ready - 1)  # a batch was taken
+class Validated(Tiny):
+    def validation_step(self, batch, batch_idx):
+        self.log("val_loss", nn.functional.cross_entropy(self.net(batch[0]), batch[1]))
+
+
+def _validating_trainer() -> L.Trainer:
+    return L.Trainer(accelerator="cpu", devices=1, max_steps=6, val_check_interval=2, limit_val_batches=1,
+                     num_sanity_val_steps=0, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                     enable_model_summary=False)
+
+
+def _before_each_advance(trainer: L.Trainer, before) -> None:
+    """What the strategies do: run ``before`` at the start of the epoch loop's ``advance``."""
+    loop = trainer.fit_loop.epoch_loop
+    original = type(loop).advance.__get__(loop)
+    loop.advance = lambda fetcher: (before(loop), original(fetcher))
+
+
+def _resumed_after_validation(continue_at_boundary: bool) -> tuple[dict, dict]:
+    """A run, and a second one restored from the first one's state at the step boundary right after a
+    mid-epoch validation (as a spare receives it); both fit loops' final state."""
+    uninterrupted, taken = _validating_trainer(), {}
+    _before_each_advance(uninterrupted, lambda loop: loop.batch_progress.current.ready == 4 and taken.setdefault(
+        "state", dump_checkpoint(uninterrupted)))
+    uninterrupted.fit(Validated(), _data(), _data())
+    resumed = _validating_trainer()
+    restore_at_fit_start(resumed, taken["state"])
+    first = [continue_at_boundary]
+    _before_each_advance(resumed, lambda loop: first and first.pop() and continue_from_boundary(loop))
+    resumed.fit(Validated(), _data(), _data())
+    return uninterrupted.fit_loop.state_dict(), resumed.fit_loop.state_dict()
+
+
+def test_a_loop_restored_at_a_boundary_after_a_validation_goes_on_as_the_uninterrupted_one():
+    uninterrupted, resumed = _resumed_after_validation(continue_at_boundary=True)
+    assert resumed == uninterrupted
+    # Lightning resumes it as a checkpoint saved inside the batch's end: the end is replayed
+    uninterrupted, replayed = _resumed_after_validation(continue_at_boundary=False)
+    batches = "epoch_loop.state_dict"
+    assert replayed[batches]["_batches_that_stepped"] == uninterrupted[batches]["_batches_that_stepped"] + 1
 
 
 def test_prepare_data_waits_through_the_strategys_own_wait():

@@ -45,13 +45,16 @@ def failure_free(tmp_path_factory):
 @pytest.mark.parametrize(
     ("args", "fault"),
     [
+        # (the spare enters at step 8's boundary, right after a mid-epoch validation: val_check_interval=12)
         (DDP_BF16, "kill@rank=0,step=8,phase=data,micro=2"),
         (FSDP_BF16, "kill@rank=1,step=9,phase=forward,micro=1"),
         # inside a SyncBatchNorm collective: the default group's 6th operation of the step (backward, micro 2)
         (DDP_SYNC_BN, "kill@rank=0,step=8,phase=collective,micro=5"),
         (FSDP_SYNC_BN, "kill@rank=2,step=9,phase=collective,micro=2"),
+        (FSDP_BF16, "kill@rank=0,step=8,phase=reduce"),  # the same boundary, from step 8's replicas
     ],
-    ids=["ddp-bf16-rank0", "fsdp-bf16-rank1", "ddp-syncbn-fp16-rank0", "fsdp-syncbn-fp16-rank2"],
+    ids=["ddp-bf16-rank0", "fsdp-bf16-rank1", "ddp-syncbn-fp16-rank0", "fsdp-syncbn-fp16-rank2",
+         "fsdp-after-validation-rank0"],
 )
 def test_a_kill_between_micro_batches_of_a_later_epoch_is_bit_exact_on_every_rank(tmp_path, failure_free, args, fault):
     expected = failure_free(args)

@@ -143,15 +143,14 @@ def users_sampler(sampler: Any) -> Any:
     return sampler.dataset._sampler if isinstance(sampler, DistributedSamplerWrapper) else None
 
 
-def replayed_batch_end(loop: Any, ready_before: int) -> bool:
-    """Whether the epoch loop's ``advance`` just returned without taking a batch because it restarted from a
-    state saved after the batch had ended (``_skip_next_val``): its ``on_advance_end`` would then count the
-    ended batch a second time (``_batches_that_stepped``). A spare enters from a step boundary, after that
-    batch's end, so that ``on_advance_end`` must not run; the flag is cleared as it would have been."""
-    if loop.batch_progress.total.ready != ready_before or not loop._skip_next_val:
-        return False
-    loop._skip_next_val = False
-    return True
+def continue_from_boundary(epoch_loop: Any) -> None:
+    """End the restart of an epoch loop whose progress was restored from a step boundary (a spare's
+    hand-over, a snapshot). Lightning's restart logic is made for checkpoints saved inside a batch's end
+    (``on_train_batch_end``, ``on_validation_end``) and replays the rest of that batch: after a mid-epoch
+    validation, an ``advance`` that takes no batch, then an ``on_advance_end`` that counts the batch again
+    (``_batches_that_stepped``). A boundary comes after the batch's end, so the loop goes on as one that
+    has just finished an iteration: its first ``advance`` takes the next batch, as on every other rank."""
+    epoch_loop.on_iteration_done()
 
 
 def apply_layer_sync(strategy: Any, model: Any) -> Any:

@@ -12,12 +12,12 @@ from torch.distributed.tensor import DTensor
 from torch.utils.data import BatchSampler, IterableDataset
 
 from torchpass_plugins._compat.lightning import (
+    continue_from_boundary,
     dataloader_with_sampler,
     drop_loader_positions,
     dump_checkpoint,
     load_rank_local_state,
     rank_local_state,
-    replayed_batch_end,
     restore_at_fit_start,
     users_sampler,
 )
@@ -58,6 +58,7 @@ class LightningAdapter:
     def __init__(self, strategy: TorchPassDDPStrategy) -> None:
         self.strategy = strategy
         self._resume: tuple[int, int] | None = None  # (epoch, batches already consumed in it)
+        self._restored_at_boundary = False  # fit restores a boundary's state: see begin_batch
 
     @property
     def trainer(self):
@@ -98,6 +99,16 @@ class LightningAdapter:
         # schedulers, callbacks and loops from it exactly as from a checkpoint file.
         restore_at_fit_start(self.trainer, checkpoint)
         self.resume_data_from(checkpoint)
+        self._restored_at_boundary = True
+
+    def begin_batch(self) -> None:
+        """Before the epoch loop's ``advance``: once ``fit`` has restored a state handed over here (taken
+        at a step boundary, not inside a batch's end as Lightning's checkpoints are), the loop continues
+        exactly as the ranks that never stopped (:func:`continue_from_boundary`): no rank makes a
+        collective the others do not."""
+        if self._restored_at_boundary:
+            self._restored_at_boundary = False
+            continue_from_boundary(self.trainer.fit_loop.epoch_loop)
 
     def resume_data_from(self, checkpoint: dict) -> None:
         """The train loader will start where ``checkpoint``'s loop progress says (Lightning itself restarts
@@ -117,27 +128,21 @@ class LightningAdapter:
         """Mark the start of each optimizer step: before the fetch of its first batch."""
         loop = self.trainer.fit_loop.epoch_loop
         trainer, runtime = self.trainer, self.strategy.runtime
-        original, original_end = (getattr(type(loop), n).__get__(loop) for n in ("advance", "on_advance_end"))
-        ended_already = False
+        original = type(loop).advance.__get__(loop)
 
         def advance(data_fetcher) -> None:
-            nonlocal ended_already
-            # (a restarted loop may call ``advance`` once without taking a batch: one boundary per step)
+            self.begin_batch()
+            # (a loop restarted from a checkpoint of the user's may call ``advance`` once without taking a
+            # batch, as Lightning resumes its own checkpoints: one boundary per step)
             first = loop.batch_progress.current.ready % trainer.accumulate_grad_batches == 0
             if first and runtime.last_boundary != trainer.global_step:
                 runtime.boundary(trainer.global_step)
                 if runtime.drain_due(trainer.global_step) is not None:
                     runtime.carry_out_drain(trainer.global_step)
             faults.point("data")
-            ready = loop.batch_progress.total.ready
             original(data_fetcher)
-            ended_already = replayed_batch_end(loop, ready)
 
-        def on_advance_end(data_fetcher) -> None:
-            if not ended_already:
-                original_end(data_fetcher)
-
-        loop.advance, loop.on_advance_end = advance, on_advance_end
+        loop.advance = advance
 
     def prepare_train_loader(self, dataloader: Any) -> Any:
         """Every rank's train loader: positions carry their seeds and batches reseed as they load (see

@@ -201,6 +201,7 @@ class TorchPassFSDPStrategy(PoisonedCollectives, TorchPassDDPStrategy):
 
         def advance_batch(data_fetcher) -> None:
             self._rewound = False
+            self.adapter.begin_batch()
             try:
                 if loop.batch_progress.current.ready % trainer.accumulate_grad_batches == 0:
                     self._boundary(trainer.global_step)
