@@ -25,7 +25,8 @@ def _cli(*args: str, env: dict | None = None, timeout: float = 120) -> subproces
 
 @pytest.mark.parametrize(
     ("flags", "message"),
-    [(["--spares", "-1"], "--spares must be >= 0"), (["--spares", "4"], "leaves no active rank")],
+    [(["--spares", "-1"], "spares=-1 is not allowed; use an integer >= 0 (flag --spares)"),
+     (["--spares", "4"], "leaves no active rank")],
 )
 def test_launch_rejects_impossible_spares(flags, message):
     result = _cli("-m", "torchpass_plugins.cli", "launch", "--nproc-per-node", "4", *flags, str(TRAIN))

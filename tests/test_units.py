@@ -45,7 +45,6 @@ def test_fault_parse():
 @pytest.mark.parametrize(
     ("changes", "message"),
     [
-        ({"spares": -1}, "--spares must be >= 0"),
         ({"spares": 4}, "leaves no active rank"),
         ({"nproc_per_node": 0}, "at least 1"),
         ({"nnodes": 2, "node_rank": 2, "token": "t", "rdzv_endpoint": "h:1"}, "--node-rank"),

@@ -89,9 +89,9 @@ def main(argv: list[str] | None = None) -> int:
         from torchpass_plugins.demo.runner import run_demo
 
         return run_demo(steps=ns.steps, run_dir=ns.run_dir)
-    config = LaunchConfig.derive(command(ns), from_flags(ns, TorchPassConfig), from_flags(ns, AgentConfig),
-                                 token=os.environ.get("TORCHPASS_JOIN_TOKEN", ""))
     try:
+        config = LaunchConfig.derive(command(ns), from_flags(ns, TorchPassConfig), from_flags(ns, AgentConfig),
+                                     token=os.environ.get("TORCHPASS_JOIN_TOKEN", ""))
         config.validate()
     except ValueError as exc:
         parser.error(str(exc))

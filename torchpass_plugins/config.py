@@ -119,8 +119,11 @@ class TorchPassConfig:
     def validate(self) -> TorchPassConfig:
         """Raise ``ConfigError`` naming the first bad key, its value and what is allowed."""
 
+        flags = {key: f.metadata["flag"] for key, f, _ in settings(TorchPassConfig)}
+
         def bad(key: str, value: Any, allowed: str) -> None:
-            raise ConfigError(f"torchpass config: {key}={value!r} is not allowed; use {allowed}")
+            flag = f" (flag {flags[key]})" if flags.get(key) else ""
+            raise ConfigError(f"torchpass config: {key}={value!r} is not allowed; use {allowed}{flag}")
 
         for key, f, _ in settings(TorchPassConfig):
             allowed = f.metadata["choices"]

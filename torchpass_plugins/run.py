@@ -50,14 +50,14 @@ def config_from_torchrun(argv: list[str], environ: dict[str, str]) -> LaunchConf
 
 
 def main(argv: list[str] | None = None) -> int:
-    config = config_from_torchrun(sys.argv[1:] if argv is None else argv, dict(os.environ))
-    for var in _TORCHRUN_VARS:
-        os.environ.pop(var, None)
     try:
+        config = config_from_torchrun(sys.argv[1:] if argv is None else argv, dict(os.environ))
         config.validate()
     except ValueError as exc:
         print(f"torchpass: {exc}", file=sys.stderr)
         return 2
+    for var in _TORCHRUN_VARS:
+        os.environ.pop(var, None)
     return launch(config)
 
 

@@ -7,7 +7,7 @@ import importlib.util
 from dataclasses import dataclass
 
 from torchpass_plugins.config import AgentConfig, TorchPassConfig
-from torchpass_plugins.health.watch import HealthConfig, HealthThresholds, is_source
+from torchpass_plugins.health.watch import HealthConfig, HealthThresholds
 
 
 @dataclass
@@ -41,7 +41,9 @@ class LaunchConfig:
     @classmethod
     def derive(cls, command: list[str], job: TorchPassConfig, agent: AgentConfig, *, token: str,
                first_slot: int = 0, external_store: bool = False) -> LaunchConfig:
-        """``token``: the job's join token ('' on a single node: the agent draws one)."""
+        """``token``: the job's join token ('' on a single node: the agent draws one). The job's settings are
+        checked here, once (:meth:`TorchPassConfig.validate`); :meth:`validate` checks the layout."""
+        job.validate()
         thresholds = HealthThresholds(temperature_warn_c=job.health.temperature_warn_c,
                                       temperature_migrate_c=job.health.temperature_migrate_c)
         return cls(
@@ -70,17 +72,11 @@ class LaunchConfig:
             raise ValueError("--nproc-per-node and --nnodes must be at least 1")
         if not 0 <= self.node_rank < self.nnodes:
             raise ValueError(f"--node-rank must be in [0, {self.nnodes}), got {self.node_rank}")
-        if self.spares < 0:
-            raise ValueError(f"--spares must be >= 0, got {self.spares}")
         if self.spares >= self.processes:
             raise ValueError(
                 f"--spares {self.spares} leaves no active rank among {self.processes} processes "
                 f"({self.nnodes} node(s) x {self.nproc_per_node}); use fewer spares or more processes"
             )
-        if self.spare_wait < 0:
-            raise ValueError(f"--spare-wait must be >= 0, got {self.spare_wait}")
-        if self.max_restarts < 0:
-            raise ValueError(f"--max-restarts must be >= 0, got {self.max_restarts}")
         if self.heartbeat_timeout <= self.heartbeat_interval:
             raise ValueError("--heartbeat-timeout must exceed the heartbeat interval")
         if self.nnodes > 1 and not self.token:
@@ -89,14 +85,8 @@ class LaunchConfig:
             raise ValueError("multi-node jobs need a fixed --rdzv-endpoint HOST:PORT reachable from every node")
         if not self.command:
             raise ValueError("no training script given")
-        if self.straggler_window < 0 or self.straggler_factor <= 1.0:
-            raise ValueError("--straggler-window must be >= 0 (0: off) and --straggler-factor > 1")
-        if self.health.interval_s <= 0:
-            raise ValueError("--health-interval must be > 0")
         if self.metrics_addr is not None:
             if importlib.util.find_spec("prometheus_client") is None:
                 raise ValueError("--metrics-addr needs prometheus-client: pip install 'torchpass-plugins[metrics]'")
             if not self.metrics_addr.rpartition(":")[2].isdigit():
                 raise ValueError(f"--metrics-addr must be HOST:PORT, not {self.metrics_addr!r}")
-        if not is_source(self.health.source):
-            raise ValueError(f"--health-source must be nvml, file:PATH or off, not {self.health.source!r}")
