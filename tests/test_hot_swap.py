@@ -43,13 +43,12 @@ def test_sigkill_of_a_nonzero_rank_from_outside(tmp_path, reference):
     assert 0 < landing["bytes"] <= received["bytes"] and landing["time"] < received["time"]
 
 
+# (a loss in the forward, the backward or the reduction changes no result: test_engine.py drives the protocol
+# through every phase in-process, and the bucketed reduction below does it with real jobs)
 @pytest.mark.parametrize(
     ("fault", "what"),
     [
         ("kill@rank=0,step=6,phase=boundary", "the worker holding logical rank 0"),
-        ("kill@rank=1,step=7,phase=forward", "a kill in the forward pass"),
-        ("kill@rank=2,step=4,phase=backward", "a kill in the backward pass"),
-        ("kill@rank=2,step=5,phase=reduce", "a kill during the gradient all-reduce"),
         ("kill@rank=1,step=9,phase=commit", "a kill between reduction and commit"),
         ("kill@rank=1,step=5,phase=optimizer", "a kill during optimizer.step (after the commit)"),
         ("exit@rank=2,step=3,phase=boundary", "a crash (os._exit)"),
