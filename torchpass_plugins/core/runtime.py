@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from torchpass_plugins.control.membership import JobAborted, JoinRejected, Member
-from torchpass_plugins.control.protocol import TRAINED_KEY, LeftForMigration, Stalled, reached_key, send
+from torchpass_plugins.control.protocol import TRAINED_KEY, Stalled, reached_key, send
 from torchpass_plugins.control.worker_env import WorkerEnv
 from torchpass_plugins.core import rng
 from torchpass_plugins.core.buffer_sync import BufferSync
@@ -33,7 +33,7 @@ from torchpass_plugins.core.process_group import PeerFailure, ReconfigurableGrou
 from torchpass_plugins.core.rank_state import RankStateRing
 from torchpass_plugins.core.replicated_recovery import ReplicatedPlan, announce_landing, prepare_landing, send_state_to
 from torchpass_plugins.core.state_transfer import Landing
-from torchpass_plugins.core.step_signals import StepSignals
+from torchpass_plugins.core.step_signals import SignalVerbs, StepSignals
 from torchpass_plugins.observe.events import EventLog
 from torchpass_plugins.testing import faults
 
@@ -45,11 +45,7 @@ class SpareReleased(SystemExit):
     """The job ended while this worker waited as a spare: exit cleanly."""
 
 
-class Drained(SystemExit):
-    """This worker handed its logical rank to a spare (a planned migration): exit cleanly."""
-
-
-class Runtime:
+class Runtime(SignalVerbs):
     """One rank's side of the protocol: positions, collectives with recovery, commits, state hand-over."""
 
     def __init__(self, env: WorkerEnv, timeout: timedelta, *, member: Member | None = None,
@@ -278,6 +274,10 @@ class Runtime:
         """Recover at ``pos``; returns whether this rank's completed (``reduced``) reduction is committed."""
         return self.recover(ReplicatedPlan(self, pos, reduced), cause)
 
+    def roster_changed(self) -> bool:
+        """A newer roster replaced this rank's group (a failure elsewhere, or a planned migration)."""
+        return self.transport.stale()
+
     def report_stall(self, cause: str) -> None:
         """Tell the coordinator, once per generation, that this rank's group failed with no newer roster in
         sight: if a peer is alive but stalled outside the collective, only these reports reveal it."""
@@ -297,32 +297,6 @@ class Runtime:
             self.events.emit("job_aborted", rank=self.rank, message=roster.abort, applied=self._applied())
             raise JobAborted(roster.abort)
         return gen
-
-    # -- planned migrations (agreed through :class:`StepSignals`) -----------------------------------------
-    def drain_due(self, step: int) -> int | None:
-        """The logical rank that moves to a spare at this boundary, if one does."""
-        return self.signals.drain_due(step)
-
-    def carry_out_drain(self, step: int) -> None:
-        """At the agreed boundary: the moving rank leaves; the others rebuild the group with the spare."""
-        rank = self.end_drain(step)
-        # where this rank is: past the boundary's collectives (the rank-state exchange), which the spare,
-        # entering at this boundary, must then skip as it would after a failure
-        self._recover((self.step, self.count), reduced=False, cause=f"planned migration of rank {rank}")
-
-    def end_drain(self, step: int) -> int:
-        """The agreed migration happens now: the moving rank leaves (this does not return there); the
-        others get the rank that moved, and rebuild the group with the spare."""
-        rank = self.signals.take_drain()
-        if rank != self.rank:
-            return rank
-        # Tell the coordinator (which promotes the reserved spare), land what is in flight, and exit. The
-        # state reaches the spare from a peer at this boundary.
-        send(self.member.store, LeftForMigration(self.env.worker_id))
-        self.events.emit("drained", rank=self.rank, worker=self.env.worker_id, step=step)
-        for hook in self.leave_hooks:
-            hook()
-        raise Drained(0)
 
     def training_complete(self, step: int) -> None:
         """Past the barrier that ends ``fit``: every rank has finished training (see ``TRAINED_KEY``)."""

@@ -14,7 +14,7 @@ import statistics
 import torch
 
 from torchpass_plugins.control.membership import Member
-from torchpass_plugins.control.protocol import Straggler, send
+from torchpass_plugins.control.protocol import LeftForMigration, Straggler, send
 from torchpass_plugins.control.worker_env import WorkerEnv
 from torchpass_plugins.core.process_group import ReconfigurableGroup
 from torchpass_plugins.health.stragglers import StepTimer, stragglers
@@ -90,3 +90,44 @@ class StepSignals:
         self.drain = None
         self.member.drain_carried_out()
         return rank
+
+
+class Drained(SystemExit):
+    """This worker handed its logical rank to a spare (a planned migration): exit cleanly."""
+
+
+class SignalVerbs:
+    """The runtime's verbs for the step signals and the migrations they agree on (mixed into ``Runtime``,
+    whose ``signals``, ``transport``, ``member``, ``events``, ``leave_hooks`` and recovery they use)."""
+
+    def exchange_signals(self, step: int) -> None:
+        """For a strategy whose commit carries no vote (``torchpass_fsdp``): the step's signals in one small
+        all-reduce at its boundary; raises ``PeerFailure`` like any collective."""
+        signals = self.signals.row()
+        self.transport.all_reduce(signals, what="step signals")
+        self.signals.take(signals, step, drain_at=step)
+
+    def drain_due(self, step: int) -> int | None:
+        """The logical rank that moves to a spare at this boundary, if one does."""
+        return self.signals.drain_due(step)
+
+    def carry_out_drain(self, step: int) -> None:
+        """At the agreed boundary: the moving rank leaves; the others rebuild the group with the spare."""
+        rank = self.end_drain(step)
+        # where this rank is: past the boundary's collectives (the rank-state exchange), which the spare,
+        # entering at this boundary, must then skip as it would after a failure
+        self._recover((self.step, self.count), reduced=False, cause=f"planned migration of rank {rank}")
+
+    def end_drain(self, step: int) -> int:
+        """The agreed migration happens now: the moving rank leaves (this does not return there); the
+        others get the rank that moved, and rebuild the group with the spare."""
+        rank = self.signals.take_drain()
+        if rank != self.rank:
+            return rank
+        # Tell the coordinator (which promotes the reserved spare), land what is in flight, and exit. The
+        # state reaches the spare from a peer at this boundary.
+        send(self.member.store, LeftForMigration(self.env.worker_id))
+        self.events.emit("drained", rank=self.rank, worker=self.env.worker_id, step=step)
+        for hook in self.leave_hooks:
+            hook()
+        raise Drained(0)

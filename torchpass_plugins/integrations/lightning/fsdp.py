@@ -237,13 +237,11 @@ class TorchPassFSDPStrategy(PoisonedCollectives, TorchPassDDPStrategy):
     def _exchange_signals(self, step: int) -> None:
         """Planned migrations and step times (:class:`StepSignals`): one small all-reduce per step, the
         only collective of the boundary (DDP carries them on its commit vote instead)."""
-        signals = self.runtime.signals.row()
         try:
-            self.runtime.transport.all_reduce(signals, what="step signals")
+            self.runtime.exchange_signals(step)
         except PeerFailure as exc:
             self.relay.poisoned = str(exc)
             self._raise_if_failed()
-        self.runtime.signals.take(signals, step, drain_at=step)
 
     def _carry_out_drain(self, step: int) -> None:
         """A planned migration at this boundary: first every shard of this boundary is on its ring
@@ -321,7 +319,7 @@ class TorchPassFSDPStrategy(PoisonedCollectives, TorchPassDDPStrategy):
         self.relay.settle()
         if self.relay.poisoned is not None:
             return self.relay.poisoned
-        return "a newer roster" if self.runtime.transport.stale() else None
+        return "a newer roster" if self.runtime.roster_changed() else None
 
     def _raise_if_failed(self) -> None:
         failure = self._failure()
