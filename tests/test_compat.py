@@ -24,6 +24,7 @@ from torchpass_plugins._compat.lightning import (
     load_rank_local_state,
     optimizers_to_device,
     rank_local_state,
+    replays_a_batch_end,
     restore_at_fit_start,
     restoring_a_checkpoint,
     rewind_loops,
@@ -150,41 +151,83 @@ class Validated(Tiny):
         self.log("val_loss", nn.functional.cross_entropy(self.net(batch[0]), batch[1]))
 
 
-def _validating_trainer() -> L.Trainer:
-    return L.Trainer(accelerator="cpu", devices=1, max_steps=6, val_check_interval=2, limit_val_batches=1,
+def _validating_trainer(*callbacks) -> L.Trainer:
+    return L.Trainer(accelerator="cpu", devices=1, max_steps=20, val_check_interval=2, limit_val_batches=1,
                      num_sanity_val_steps=0, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                     enable_model_summary=False)
+                     enable_model_summary=False, callbacks=list(callbacks))
 
 
 def _before_each_advance(trainer: L.Trainer, before) -> None:
-    """What the strategies do: run ``before`` at the start of the epoch loop's ``advance``."""
+    """What the strategies do: run ``before(loop, fetcher)`` at the start of the epoch loop's ``advance``."""
     loop = trainer.fit_loop.epoch_loop
     original = type(loop).advance.__get__(loop)
-    loop.advance = lambda fetcher: (before(loop), original(fetcher))
+    loop.advance = lambda fetcher: (before(loop, fetcher), original(fetcher))
 
 
-def _resumed_after_validation(continue_at_boundary: bool) -> tuple[dict, dict]:
-    """A run, and a second one restored from the first one's state at the step boundary right after a
-    mid-epoch validation (as a spare receives it); both fit loops' final state."""
+def _once(action):
+    """``action`` on the first call only."""
+    calls: list[object] = []
+
+    def call(*args) -> None:
+        if not calls:
+            calls.append(action(*args))
+
+    return call
+
+
+AFTER_A_VALIDATION = (0, 4)  # (epoch, batches taken in it): validation runs every 2 batches
+AT_AN_EPOCHS_START = (1, 0)  # 16 batches per epoch
+
+
+def _resumed_from_a_boundary(at: tuple[int, int], continue_at_boundary: bool) -> tuple[dict, dict]:
+    """A run, and a second one restored from the first one's state at the start of the ``advance`` taking
+    batch ``at`` (as a spare receives it); both fit loops' final state."""
     uninterrupted, taken = _validating_trainer(), {}
-    _before_each_advance(uninterrupted, lambda loop: loop.batch_progress.current.ready == 4 and taken.setdefault(
-        "state", dump_checkpoint(uninterrupted)))
+
+    def take(loop, fetcher) -> None:
+        if (uninterrupted.current_epoch, loop.batch_progress.current.ready) == at:
+            taken.setdefault("state", dump_checkpoint(uninterrupted))
+
+    _before_each_advance(uninterrupted, take)
     uninterrupted.fit(Validated(), _data(), _data())
     resumed = _validating_trainer()
     restore_at_fit_start(resumed, taken["state"])
-    first = [continue_at_boundary]
-    _before_each_advance(resumed, lambda loop: first and first.pop() and continue_from_boundary(loop))
+    if continue_at_boundary:
+        _before_each_advance(resumed, _once(lambda loop, fetcher: continue_from_boundary(loop)))
     resumed.fit(Validated(), _data(), _data())
     return uninterrupted.fit_loop.state_dict(), resumed.fit_loop.state_dict()
 
 
-def test_a_loop_restored_at_a_boundary_after_a_validation_goes_on_as_the_uninterrupted_one():
-    uninterrupted, resumed = _resumed_after_validation(continue_at_boundary=True)
+@pytest.mark.parametrize("at", [AFTER_A_VALIDATION, AT_AN_EPOCHS_START], ids=["after-validation", "epoch-start"])
+def test_a_loop_restored_at_a_boundary_goes_on_as_the_uninterrupted_one(at):
+    uninterrupted, resumed = _resumed_from_a_boundary(at, continue_at_boundary=True)
     assert resumed == uninterrupted
-    # Lightning resumes it as a checkpoint saved inside the batch's end: the end is replayed
-    uninterrupted, replayed = _resumed_after_validation(continue_at_boundary=False)
-    batches = "epoch_loop.state_dict"
-    assert replayed[batches]["_batches_that_stepped"] == uninterrupted[batches]["_batches_that_stepped"] + 1
+    # Lightning alone resumes it as a checkpoint saved inside the batch's end: that end is replayed
+    uninterrupted, replayed = _resumed_from_a_boundary(at, continue_at_boundary=False)
+    stepped = "epoch_loop.state_dict"
+    assert replayed[stepped]["_batches_that_stepped"] == uninterrupted[stepped]["_batches_that_stepped"] + 1
+
+
+class _SaveOnValidationEnd(L.Callback):
+    """Where a user's ``ModelCheckpoint(monitor=...)`` saves: inside the batch's end."""
+
+    def __init__(self) -> None:
+        self.saved: dict | None = None
+
+    def on_validation_end(self, trainer, pl_module) -> None:
+        if trainer.global_step == 4 and self.saved is None:
+            self.saved = dump_checkpoint(trainer)
+
+
+def test_a_users_checkpoint_saved_at_a_validations_end_is_replayed_before_a_batch_is_taken():
+    saver = _SaveOnValidationEnd()
+    _validating_trainer(saver).fit(Validated(), _data(), _data())
+    resumed, seen = _validating_trainer(), []
+    restore_at_fit_start(resumed, saver.saved)
+    _before_each_advance(resumed, lambda loop, fetcher: seen.append(
+        (replays_a_batch_end(loop, fetcher), loop.batch_progress.total.ready)))
+    resumed.fit(Validated(), _data(), _data())
+    assert seen[:3] == [(True, 4), (False, 4), (False, 5)]  # the replay takes no batch; then one a time
 
 
 def test_prepare_data_waits_through_the_strategys_own_wait():

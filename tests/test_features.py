@@ -61,6 +61,8 @@ def test_a_kill_between_micro_batches_of_a_later_epoch_is_bit_exact_on_every_ran
     job, codes = run(tmp_path, nproc=4, spares=1, script=SCRIPT, train_args=args, faults=fault)
     assert codes == [0], job.output()[-3000:]
     assert len(job.events("failure_detected")) == 1 and len(job.events("spare_promoted")) == 1
+    if "phase=reduce" in fault:  # the spare enters at that step's boundary, from its replicas
+        assert {(e["restore_step"], e["steps_rolled_back"]) for e in job.events("recovered")} == {(8, 0)}
     for rank in range(3):
         found = differences(expected.state(rank), job.state(rank), f"rank{rank}")
         assert not found, "differs from the failure-free run:\n" + "\n".join(found[:20])

@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
         config = config_from_torchrun(sys.argv[1:] if argv is None else argv, dict(os.environ))
         config.validate()
     except ValueError as exc:
-        print(f"torchpass: {exc}", file=sys.stderr)
+        print(exc if str(exc).startswith("torchpass") else f"torchpass: {exc}", file=sys.stderr)
         return 2
     for var in _TORCHRUN_VARS:
         os.environ.pop(var, None)

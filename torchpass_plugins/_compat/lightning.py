@@ -148,9 +148,19 @@ def continue_from_boundary(epoch_loop: Any) -> None:
     hand-over, a snapshot). Lightning's restart logic is made for checkpoints saved inside a batch's end
     (``on_train_batch_end``, ``on_validation_end``) and replays the rest of that batch: after a mid-epoch
     validation, an ``advance`` that takes no batch, then an ``on_advance_end`` that counts the batch again
-    (``_batches_that_stepped``). A boundary comes after the batch's end, so the loop goes on as one that
-    has just finished an iteration: its first ``advance`` takes the next batch, as on every other rank."""
+    (``_batches_that_stepped``); at an epoch's first batch alike. A boundary comes after the batch's end, so
+    the loop goes on as one that has just finished an iteration: its first ``advance`` takes the next batch,
+    as on every other rank."""
     epoch_loop.on_iteration_done()
+
+
+def replays_a_batch_end(epoch_loop: Any, data_fetcher: Any) -> bool:
+    """Whether the epoch loop's next ``advance`` takes no batch: a loop restored from a checkpoint saved inside
+    a batch's end (the user's own, through ``ckpt_path``) first replays the rest of that end, where a
+    validation was due (after a mid-epoch validation, and at an epoch's first batch). Lightning's own test,
+    from ``_TrainingEpochLoop.advance``."""
+    return bool(epoch_loop.restarting and epoch_loop._should_check_val_fx(data_fetcher)
+                and (epoch_loop.val_loop.restarted_mid_evaluation or epoch_loop.restarted_on_last))
 
 
 def apply_layer_sync(strategy: Any, model: Any) -> Any:

@@ -18,6 +18,7 @@ from torchpass_plugins._compat.lightning import (
     dump_checkpoint,
     load_rank_local_state,
     rank_local_state,
+    replays_a_batch_end,
     restore_at_fit_start,
     users_sampler,
 )
@@ -110,6 +111,17 @@ class LightningAdapter:
             self._restored_at_boundary = False
             continue_from_boundary(self.trainer.fit_loop.epoch_loop)
 
+    def fit_ended(self) -> None:
+        """A state handed over is restored by the ``fit`` it was handed to, even one with no batch left."""
+        self._restored_at_boundary = False
+
+    def step_starts(self, data_fetcher: Any) -> bool:
+        """Whether the epoch loop's next ``advance`` takes the first batch of an optimizer step (not one
+        that replays the end of a restored batch, taking none)."""
+        loop, trainer = self.trainer.fit_loop.epoch_loop, self.trainer
+        first = loop.batch_progress.current.ready % trainer.accumulate_grad_batches == 0
+        return first and not replays_a_batch_end(loop, data_fetcher)
+
     def resume_data_from(self, checkpoint: dict) -> None:
         """The train loader will start where ``checkpoint``'s loop progress says (Lightning itself restarts
         a map-style loader's epoch from its first batch)."""
@@ -132,10 +144,7 @@ class LightningAdapter:
 
         def advance(data_fetcher) -> None:
             self.begin_batch()
-            # (a loop restarted from a checkpoint of the user's may call ``advance`` once without taking a
-            # batch, as Lightning resumes its own checkpoints: one boundary per step)
-            first = loop.batch_progress.current.ready % trainer.accumulate_grad_batches == 0
-            if first and runtime.last_boundary != trainer.global_step:
+            if self.step_starts(data_fetcher) and runtime.last_boundary != trainer.global_step:
                 runtime.boundary(trainer.global_step)
                 if runtime.drain_due(trainer.global_step) is not None:
                     runtime.carry_out_drain(trainer.global_step)

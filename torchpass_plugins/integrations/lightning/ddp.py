@@ -142,6 +142,7 @@ class TorchPassDDPStrategy(ParallelStrategy):
 
         def run_to_the_end() -> None:
             run()
+            self.adapter.fit_ended()
             if loop.done and self.runtime.last_boundary < loop.epoch_loop.global_step:
                 self.on_train_end()
 

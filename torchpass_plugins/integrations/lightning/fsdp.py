@@ -203,7 +203,7 @@ class TorchPassFSDPStrategy(PoisonedCollectives, TorchPassDDPStrategy):
             self._rewound = False
             self.adapter.begin_batch()
             try:
-                if loop.batch_progress.current.ready % trainer.accumulate_grad_batches == 0:
+                if self.adapter.step_starts(data_fetcher):
                     self._boundary(trainer.global_step)
                 faults.point("data")
                 advance(data_fetcher)
