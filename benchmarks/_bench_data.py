@@ -11,6 +11,8 @@ import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 
+from torchpass_plugins.control.worker_env import WorkerEnv
+
 
 def add_run_args(p: argparse.ArgumentParser) -> None:
     """The flags of the model, data, schedule and kill point, the same for every contender."""
@@ -26,7 +28,8 @@ def pin_to_core() -> None:
     """Pin every thread of this process to one core, chosen by its slot on the node by the same rule under
     every launcher, so that side-by-side runs differ by what they run, not by where the scheduler moved
     them (unpinned, run medians of one configuration spread by +-10% on this 2-core machine)."""
-    slot = int(os.environ.get("LOCAL_RANK") or os.environ.get("TORCHPASS_LOCAL_SLOT") or 0)
+    worker = WorkerEnv.from_env()  # a torchpass worker's slot; torchrun's LOCAL_RANK otherwise
+    slot = worker.local_slot if worker is not None else int(os.environ.get("LOCAL_RANK") or 0)
     for tid in os.listdir("/proc/self/task"):
         os.sched_setaffinity(int(tid), {slot % os.cpu_count()})
 
