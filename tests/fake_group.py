@@ -151,9 +151,6 @@ class FakeGroup:
     def abort(self) -> None:
         self._generation = None
 
-    def close(self) -> None:
-        self.abort()
-
     def drain(self, timeout: float) -> bool:
         return True
 

@@ -23,6 +23,7 @@ from torchpass_plugins.cli import add_job_flags, command, from_flags
 from torchpass_plugins.config import AgentConfig, TorchPassConfig
 from torchpass_plugins.control.agent import launch
 from torchpass_plugins.control.launch_config import LaunchConfig
+from torchpass_plugins.errors import with_prefix
 
 # torchrun's view of this process: the script must not mistake it for its own (its ranks are torchpass's).
 _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
@@ -54,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
         config = config_from_torchrun(sys.argv[1:] if argv is None else argv, dict(os.environ))
         config.validate()
     except ValueError as exc:
-        print(exc if str(exc).startswith("torchpass") else f"torchpass: {exc}", file=sys.stderr)
+        print(with_prefix(str(exc)), file=sys.stderr)
         return 2
     for var in _TORCHRUN_VARS:
         os.environ.pop(var, None)

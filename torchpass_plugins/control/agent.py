@@ -41,6 +41,7 @@ from torchpass_plugins.control.protocol import (
 )
 from torchpass_plugins.control.worker_env import WorkerEnv
 from torchpass_plugins.control.zygote import Zygote, worker_command
+from torchpass_plugins.errors import with_prefix
 from torchpass_plugins.health.watch import Finding, HealthWatch
 from torchpass_plugins.observe.events import EventLog
 from torchpass_plugins.observe.metrics import serve
@@ -143,8 +144,7 @@ class Agent:
     def _restart(self, message: str, grace: float = 5.0) -> None:
         """The coordinator found a failure no spare can fix: start every worker afresh, under new keys."""
         self.attempt += 1
-        said = message if message.startswith("torchpass") else f"torchpass: {message}"
-        print(f"{said}\ntorchpass: restarting the job (restart {self.attempt} of "
+        print(f"{with_prefix(message)}\ntorchpass: restarting the job (restart {self.attempt} of "
               f"{self.config.max_restarts}): it resumes from its newest snapshot if it writes them, else from "
               "the start", file=sys.stderr, flush=True)
         self.events.emit("job_restarting", attempt=self.attempt, message=message)
@@ -155,12 +155,12 @@ class Agent:
         self._stop_coordinator()
         self._begin_attempt()
         for slot in self.slots:
-            slot.incarnation += 1
             self._spawn(slot)
 
     # -- workers --------------------------------------------------------------------------------------
     def _spawn(self, slot: _Slot) -> None:
         cfg = self.config
+        slot.incarnation += bool(slot.worker_id)  # a slot that ran a worker starts its next incarnation
         slot.worker_id = f"n{cfg.node_rank}-s{slot.index}-i{slot.incarnation}"
         env = WorkerEnv(
             store=self.endpoint, token=self.token, worker_id=slot.worker_id, world_size=cfg.world_size,
@@ -194,8 +194,7 @@ class Agent:
                     done, next_check = False, 0.0
                     continue
                 if self.store.check([ABORT_KEY]):
-                    message = self.store.get(ABORT_KEY).decode()
-                    print(f"torchpass: job aborted: {message}", file=sys.stderr, flush=True)
+                    print(f"torchpass: job aborted: {self.store.get(ABORT_KEY).decode()}", file=sys.stderr, flush=True)
                     return 1
                 if self.store.check([node_lost_key(cfg.node_rank)]):
                     print("torchpass: the job wrote this node off (its agent was silent too long); stopping its "
@@ -224,7 +223,6 @@ class Agent:
                     return 1
                 next_check = 0.0  # look at the verdict soon after an exit
                 if decision.action is Action.REFILL:
-                    slot.incarnation += 1
                     self._spawn(slot)
                     alive += 1
             if alive == 0:
@@ -298,20 +296,20 @@ class Agent:
         send(store, Migrate(slot.worker_id, why))
 
     def _check_heartbeat(self, slot: _Slot) -> None:
-        if self.store.check([evict_key(slot.worker_id)]):  # alive, but it stalled the others: replaced
-            why = self.store.get(evict_key(slot.worker_id)).decode()
-            self.events.emit("worker_evicted", worker=slot.worker_id, why=why)
-            slot.proc.kill()
-            slot.proc.wait()
-            return
-        beats = int(self.store.add(heartbeat_key(slot.worker_id), 0))
-        now = time.monotonic()
-        if beats != slot.beats:
-            slot.beats, slot.last_change = beats, now
-        elif 0 < beats < LEAVING and self.policy.silence(now - slot.last_change).action is Action.EVICT:
+        evicted = evict_key(slot.worker_id)
+        if self.store.check([evicted]):  # alive, but it stalled the others: replaced
+            self.events.emit("worker_evicted", worker=slot.worker_id, why=self.store.get(evicted).decode())
+        else:
+            beats = int(self.store.add(heartbeat_key(slot.worker_id), 0))
+            now = time.monotonic()
+            if beats != slot.beats:
+                slot.beats, slot.last_change = beats, now
+                return
+            if not (0 < beats < LEAVING and self.policy.silence(now - slot.last_change).action is Action.EVICT):
+                return
             self.events.emit("hang_detected", worker=slot.worker_id, silent_s=now - slot.last_change)
-            slot.proc.kill()
-            slot.proc.wait()
+        slot.proc.kill()
+        slot.proc.wait()
 
     def _report_exit(self, slot: _Slot, code: int) -> None:
         why = f"signal {-code}" if code < 0 else f"exit code {code}"

@@ -88,8 +88,12 @@ class ReconfigurableGroup(dist.ProcessGroup):
         """Communicate tensors of ``backend.device`` through ``backend`` (from the current generation on)."""
         self.backends[backend.device] = backend
         if self.built():
-            store = dist.PrefixStore(f"{self.name}/{self.gen}/{backend.device}", self.member.thread_store())
-            self._groups[backend.device] = backend.build(store, self.rank, self.world_size, self.timeout)
+            self._groups[backend.device] = self._build(backend, self.gen, self.rank, self.member.thread_store())
+
+    def _build(self, backend: Backend, generation: int, rank: int, client: dist.Store) -> dist.ProcessGroup:
+        """``backend``'s group of ``generation``, under store keys of its own."""
+        store = dist.PrefixStore(f"{self.name}/{generation}/{backend.device}", client)
+        return backend.build(store, rank, self.world_size, self.timeout)
 
     def built(self) -> bool:
         """Whether the current generation's groups exist (they may have failed since)."""
@@ -100,7 +104,7 @@ class ReconfigurableGroup(dist.ProcessGroup):
 
     def errored(self) -> str | None:
         """Why this generation's group cannot be used (a failure seen, a newer roster, none built); else None."""
-        return generation_error(bool(self._groups), self.gen, self.member.latest_gen, self._failure)
+        return generation_error(self.built(), self.gen, self.member.latest_gen, self._failure)
 
     def check(self) -> None:
         """Raise ``PeerFailure`` if this generation's group cannot be used (:meth:`errored`)."""
@@ -124,11 +128,8 @@ class ReconfigurableGroup(dist.ProcessGroup):
 
         def build() -> None:
             try:
-                result.set_result({
-                    device: backend.build(dist.PrefixStore(f"{self.name}/{generation}/{device}", client), rank,
-                                          self.world_size, self.timeout)
-                    for device, backend in self.backends.items()
-                })
+                result.set_result({device: self._build(backend, generation, rank, client)
+                                   for device, backend in self.backends.items()})
             except Exception as exc:  # handed over to the waiting thread
                 result.set_exception(exc)
 
@@ -157,11 +158,6 @@ class ReconfigurableGroup(dist.ProcessGroup):
         if self._escaped:
             for pg in groups:
                 ctypes.pythonapi.Py_IncRef(ctypes.py_object(pg))
-
-    def close(self) -> None:
-        """End the groups at exit (gloo's threads end as they are dropped, NCCL's communicators are
-        aborted); only once :meth:`drain` found nothing pending."""
-        self.abort()
 
     def drain(self, timeout: float) -> bool:
         """Wait up to ``timeout`` for operations left in replaced groups; True when none is pending."""

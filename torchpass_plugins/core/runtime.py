@@ -329,8 +329,8 @@ class Runtime(SignalVerbs):
         self.member.close()
         if not drained:
             return False
-        for t in transports:
-            t.close()
+        for t in transports:  # gloo's threads end as its groups are dropped, NCCL's communicators are aborted
+            t.abort()
         if dist.is_initialized():
             dist.destroy_process_group()
         return True

@@ -59,7 +59,7 @@ class LightningAdapter:
     def __init__(self, strategy: TorchPassDDPStrategy) -> None:
         self.strategy = strategy
         self._resume: tuple[int, int] | None = None  # (epoch, batches already consumed in it)
-        self._restored_at_boundary = False  # fit restores a boundary's state: see begin_batch
+        self._restored_at_boundary = False  # fit restores a boundary's state: see step_starts
 
     @property
     def trainer(self):
@@ -102,25 +102,22 @@ class LightningAdapter:
         self.resume_data_from(checkpoint)
         self._restored_at_boundary = True
 
-    def begin_batch(self) -> None:
-        """Before the epoch loop's ``advance``: once ``fit`` has restored a state handed over here (taken
-        at a step boundary, not inside a batch's end as Lightning's checkpoints are), the loop continues
-        exactly as the ranks that never stopped (:func:`continue_from_boundary`): no rank makes a
-        collective the others do not."""
+    def step_starts(self, data_fetcher: Any) -> bool:
+        """Before each ``advance`` of the epoch loop: whether it takes the first batch of an optimizer step
+        (not one that replays the end of a batch restored from the user's checkpoint, taking none). Once
+        ``fit`` has restored a state handed over here (taken at a step boundary, not inside a batch's end as
+        Lightning's checkpoints are), the loop first continues exactly as the ranks that never stopped
+        (:func:`continue_from_boundary`): no rank makes a collective the others do not."""
+        loop, trainer = self.trainer.fit_loop.epoch_loop, self.trainer
         if self._restored_at_boundary:
             self._restored_at_boundary = False
-            continue_from_boundary(self.trainer.fit_loop.epoch_loop)
+            continue_from_boundary(loop)
+        first = loop.batch_progress.current.ready % trainer.accumulate_grad_batches == 0
+        return first and not replays_a_batch_end(loop, data_fetcher)
 
     def fit_ended(self) -> None:
         """A state handed over is restored by the ``fit`` it was handed to, even one with no batch left."""
         self._restored_at_boundary = False
-
-    def step_starts(self, data_fetcher: Any) -> bool:
-        """Whether the epoch loop's next ``advance`` takes the first batch of an optimizer step (not one
-        that replays the end of a restored batch, taking none)."""
-        loop, trainer = self.trainer.fit_loop.epoch_loop, self.trainer
-        first = loop.batch_progress.current.ready % trainer.accumulate_grad_batches == 0
-        return first and not replays_a_batch_end(loop, data_fetcher)
 
     def resume_data_from(self, checkpoint: dict) -> None:
         """The train loader will start where ``checkpoint``'s loop progress says (Lightning itself restarts
@@ -143,7 +140,6 @@ class LightningAdapter:
         original = type(loop).advance.__get__(loop)
 
         def advance(data_fetcher) -> None:
-            self.begin_batch()
             if self.step_starts(data_fetcher) and runtime.last_boundary != trainer.global_step:
                 runtime.boundary(trainer.global_step)
                 if runtime.drain_due(trainer.global_step) is not None:

@@ -201,7 +201,6 @@ class TorchPassFSDPStrategy(PoisonedCollectives, TorchPassDDPStrategy):
 
         def advance_batch(data_fetcher) -> None:
             self._rewound = False
-            self.adapter.begin_batch()
             try:
                 if self.adapter.step_starts(data_fetcher):
                     self._boundary(trainer.global_step)
