@@ -209,7 +209,7 @@ def _worker(rank: int, endpoint: str, device_type: str, megabytes: int, out: str
     Path(out).write_text(json.dumps(result))
     if device.type == "cuda":
         raw.abort()
-    group.close()
+    group.abort()
 
 
 # -- step time against the plain strategies on GPUs -----------------------------------------------------------

@@ -66,7 +66,7 @@ def _worker(rank: int, port: int, share_memory: bool, many: int, results: mp.Que
         replicator.start_round(step, _shard(rank, step, many), host=None)
         replicator.fence()
     pg.barrier().wait()
-    results.put((rank, "replicated", replicator.host_bytes()))
+    results.put((rank, "replicated", replicator.host_bytes() - replicator.abandoned_bytes))
     if rank == 0:
         signal.pause()  # until SIGKILLed
     verify.wait(TIMEOUT_S)
@@ -103,7 +103,8 @@ def test_a_replica_is_the_predecessors_shard_and_outlives_it(share_memory, many)
     assert procs[1].exitcode == 0
     meta, payload = (t.numel() for t in pack(_shard(1, ROUNDS - 1, many)))
     # Mapped: KEEP + 1 own segments, replicas cost nothing more; sent: KEEP own + KEEP received copies;
-    # the structures of KEEP own snapshots and KEEP replicas either way.
+    # the structures of KEEP own snapshots and KEEP replicas either way (besides segments given up on while
+    # a busy CPU starved the idle copier).
     assert replicated[1] == (3 * payload if share_memory else 4 * payload) + 4 * meta
 
 

@@ -138,10 +138,17 @@ class RingReplicator:
             raise PeerFailure(f"shard replication: {error}")
 
     def host_bytes(self) -> int:
-        """What this rank's replication holds: its segments and the replicas it received (not mapped)."""
-        return (sum(s.nbytes for s in self._segments) + sum(s.nbytes for s, _ in self._abandoned)
+        """What this rank's replication holds: its segments (:attr:`abandoned_bytes` included) and the
+        replicas it received (not mapped)."""
+        return (sum(s.nbytes for s in self._segments) + self.abandoned_bytes
                 + sum(p.meta.numel() for p in self.own.values())
                 + sum(p.meta.numel() if p.mapped else p.nbytes for p in self.replicas.values()))
+
+    @property
+    def abandoned_bytes(self) -> int:
+        """Segments given up on because the idle copier was too slow to fill them (a busy CPU): held until
+        its thread has let go of them."""
+        return sum(s.nbytes for s, _ in self._abandoned)
 
     def _segment(self, nbytes: int) -> torch.Tensor:
         """A buffer for this round's snapshot: the least recently written segment that holds none of the

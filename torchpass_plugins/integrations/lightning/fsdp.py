@@ -305,8 +305,10 @@ class TorchPassFSDPStrategy(PoisonedCollectives, TorchPassDDPStrategy):
             failure = self._failure()
             if failure is None:
                 self.runtime.training_complete(step)
-                self.runtime.events.emit("replica_memory", rank=self.global_rank, bytes=self.replicator.host_bytes(),
-                                         rounds_kept=len(self.replicator.own) + len(self.replicator.replicas))
+                replicator = self.replicator
+                self.runtime.events.emit("replica_memory", rank=self.global_rank, bytes=replicator.host_bytes(),
+                                         rounds_kept=len(replicator.own) + len(replicator.replicas),
+                                         abandoned_bytes=replicator.abandoned_bytes)
                 return
             if self._recover(failure) != step:
                 raise Unrecoverable(
