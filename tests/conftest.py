@@ -1,6 +1,8 @@
 from __future__ import annotations
 
-from pathlib import Path
+import fcntl
+import hashlib
+import shutil
 
 import pytest
 import torch
@@ -12,19 +14,25 @@ STEPS = 20
 
 
 @pytest.fixture(scope="session")
-def reference(tmp_path_factory):
-    """Failure-free runs, one per (active ranks, train args), shared by every test that compares."""
-    cache: dict[tuple, Job] = {}
+def reference(tmp_path_factory, worker_id):
+    """Failure-free runs, one per (active ranks, train args), shared by every test that compares: run once
+    per test session, by whichever xdist worker asks first (the others wait for it and read its result)."""
+    shared = tmp_path_factory.getbasetemp()
+    if worker_id != "master":
+        shared = shared.parent  # this session's, beside every worker's own
 
     def get(world: int = 3, train_args: tuple[str, ...] = ()) -> Job:
-        key = (world, train_args)
-        if key not in cache:
-            run_dir = Path(tmp_path_factory.mktemp(f"reference-w{world}"))
-            job, codes = run(run_dir, nproc=world, spares=0,
-                             train_args=("--devices", str(world), "--max-steps", str(STEPS), *train_args))
-            assert codes == [0], job.output()[-3000:]
-            cache[key] = job
-        return cache[key]
+        key = hashlib.sha256(repr((world, train_args)).encode()).hexdigest()[:12]
+        run_dir = shared / f"reference-w{world}-{key}"
+        with open(f"{run_dir}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if not (run_dir / "finished").exists():
+                shutil.rmtree(run_dir, ignore_errors=True)
+                job, codes = run(run_dir, nproc=world, spares=0,
+                                 train_args=("--devices", str(world), "--max-steps", str(STEPS), *train_args))
+                assert codes == [0], job.output()[-3000:]
+                (run_dir / "finished").touch()
+        return Job(run_dir)
 
     return get
 

@@ -39,7 +39,7 @@ def test_replicating_every_4_steps_rolls_back_in_memory_and_replays(tmp_path, re
 
 def test_a_rank_lost_with_its_replica_holder_falls_back_to_the_newest_sharded_snapshot(tmp_path, reference):
     # Rank 2 dies after rank 1's replacement was published: the recovery itself meets a second failure, and
-    # rank 1's shard exists nowhere in memory. The job restarts and every rank loads its own shard file.
+    # rank 1's shard exists nowhere in memory. The job restarts and every rank loads its shards from the snapshot.
     snapshots = tmp_path / "snapshots"
     train = (*TRAIN, "--snapshot-dir", str(snapshots), "--snapshot-every", "2", "--snapshot-when-busy", "wait")
     job, codes = run(tmp_path, nproc=5, spares=2, train_args=train, launch_args=("--no-refill",),
@@ -52,7 +52,8 @@ def test_a_rank_lost_with_its_replica_holder_falls_back_to_the_newest_sharded_sn
     step = resumed[0]["step"]
     assert step in (2, 4) and resumed[0]["steps_lost"] == 5 - step  # step 5 never committed
     for manifest in SnapshotStore(str(snapshots)).committed():
-        assert sorted(manifest.files) == ["rank0.pt", "rank1.pt", "rank2.pt"]  # one shard file per rank
+        # one DCP checkpoint: each rank wrote its shards
+        assert sorted(manifest.files) == [".metadata", "__0_0.distcp", "__1_0.distcp", "__2_0.distcp"]
     final, expected = job.final(), reference(3, FSDP).final()
     assert final["global_step"] == STEPS and final["adam_steps"] == expected["adam_steps"]
     for name, tensor in expected["weights"].items():

@@ -11,18 +11,20 @@ landed is a policy (``skip`` or ``wait``), logged either way.
 
 from __future__ import annotations
 
+import copy
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from torchpass_plugins.core.host_copy import to_host
-from torchpass_plugins.core.tree import map_leaves, tensors_in
 from torchpass_plugins.observe.events import EventLog
-from torchpass_plugins.storage.snapshot_store import SnapshotStore
+from torchpass_plugins.storage.snapshot_store import RankSave, SnapshotStore
 from torchpass_plugins.testing import faults
 
 log = logging.getLogger(__name__)
@@ -30,14 +32,15 @@ log = logging.getLogger(__name__)
 WhenBusy = Literal["skip", "wait"]
 
 
-@dataclass(frozen=True)
-class _Deferred:
-    index: int  # into the list of tensors the background thread copies
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """What this rank holds of ``t``: its chunk of a sharded tensor, else the tensor."""
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 @dataclass
 class SnapshotPlan:
-    """Who does what for one job: this rank writes a file iff ``writes``; rank 0 commits."""
+    """One job's snapshots: ``writers`` write (rank 0 what every rank holds alike, each its own shards);
+    rank 0 commits."""
 
     store: SnapshotStore
     rank: int
@@ -48,6 +51,7 @@ class SnapshotPlan:
     when_busy: WhenBusy = "skip"
     commit_timeout: float = 600.0
     model: str = ""  # the job's model fingerprint, recorded in each manifest
+    roster: Callable[[], int] = lambda: 0  # the newest roster's generation: a newer one abandons a snapshot
 
     @property
     def writes(self) -> bool:
@@ -65,9 +69,10 @@ class AsyncSnapshotWriter:
         # flight), so that only the first snapshot pays for allocating and faulting in that memory.
         self._staging: list[torch.Tensor] = []
 
-    def start(self, step: int, state: Any, stable: set[int]) -> bool:
-        """Begin the snapshot of ``step``. Tensors whose ``data_ptr`` is in ``stable`` must stay unchanged
-        until :meth:`fence`; the rest is copied now. Returns False if skipped (one still in flight)."""
+    def start(self, step: int, state: dict[str, Any], stable: set[int]) -> bool:
+        """Begin the snapshot of ``step``. Tensors whose local ``data_ptr`` is in ``stable`` must stay
+        unchanged until :meth:`fence`; the rest is copied now. Returns False if skipped (one still in flight).
+        A rank that writes nothing runs the snapshot's thread all the same (it copies nothing)."""
         if self._thread is not None and self._thread.is_alive():
             if self.plan.when_busy == "skip":
                 self.events.emit("snapshot_skipped", rank=self.plan.rank, step=step,
@@ -77,24 +82,21 @@ class AsyncSnapshotWriter:
             self._thread.join()
             self.events.emit("snapshot_waited", rank=self.plan.rank, step=step, seconds=time.perf_counter() - t0)
         t0 = time.perf_counter()
-        deferred: list[torch.Tensor] = []
-        now = iter(to_host([t for t in tensors_in(state) if t.data_ptr() not in stable], copy=True)
-                   if self.plan.writes else ())
-
-        def stage(leaf: Any) -> Any:
-            if not isinstance(leaf, torch.Tensor):
-                return leaf
-            if leaf.data_ptr() in stable:
-                deferred.append(leaf)
-                return _Deferred(len(deferred) - 1)
-            return next(now)
-
-        staged = map_leaves(state, stage) if self.plan.writes else None
+        plan = self.plan
+        save = plan.store.save(step, plan.rank, plan.world_size, plan.writers, state) if plan.writes else None
+        values = save.values if save is not None else {}
+        with torch.no_grad():
+            tensors = {name: _local(v) for name, v in values.items() if isinstance(v, torch.Tensor)}
+        now = [name for name, t in tensors.items() if t.data_ptr() not in stable]
+        deferred = [name for name in tensors if name not in set(now)]
+        staged = {name: copy.deepcopy(v) for name, v in values.items() if name not in tensors}
+        staged.update(zip(now, to_host([tensors[name] for name in now], copy=True), strict=True))
         self._staged = threading.Event()
         if not deferred:
             self._staged.set()
-        self._thread = threading.Thread(target=self._run, args=(step, staged, deferred, t0),
-                                        name=f"torchpass-snapshot-{step}", daemon=True)
+        self._thread = threading.Thread(
+            target=self._run, args=(step, save, staged, {name: tensors[name] for name in deferred}, plan.roster(), t0),
+            name=f"torchpass-snapshot-{step}", daemon=True)
         self._thread.start()
         self.events.emit("snapshot_started", rank=self.plan.rank, step=step, seconds=time.perf_counter() - t0)
         return True
@@ -107,20 +109,25 @@ class AsyncSnapshotWriter:
         self._staged.wait()
         return time.perf_counter() - t0
 
-    def _run(self, step: int, staged: Any, deferred: list[torch.Tensor], t0: float) -> None:
+    def _run(self, step: int, save: RankSave | None, staged: dict[str, Any], deferred: dict[str, torch.Tensor],
+             roster: int, t0: float) -> None:
         plan = self.plan
+
+        def abandoned() -> str | None:
+            """Once the roster changes, a rank this snapshot waits for may be gone for good."""
+            return None if plan.roster() == roster else "the job's roster changed while it was being saved"
+
         try:
-            copies = self._staging = to_host(deferred, self._staging, copy=True)
+            copies = self._staging = to_host(list(deferred.values()), self._staging, copy=True)
+            staged.update(zip(deferred, copies, strict=True))
             self._staged.set()
             faults.point("snapshot")
-            if plan.writes:
-                state = map_leaves(staged, lambda leaf: copies[leaf.index] if isinstance(leaf, _Deferred) else leaf)
-                entry = plan.store.write_rank(step, plan.rank, state)
-                self.events.emit("snapshot_written", rank=plan.rank, step=step, bytes=entry["bytes"],
-                                 seconds=time.perf_counter() - t0)
-            if plan.rank == 0:
-                manifest = plan.store.commit(step, plan.writers, plan.world_size, plan.seed, plan.commit_timeout,
-                                             plan.model)
+            if save is None:
+                return
+            nbytes, manifest = save.run(staged, plan.seed, plan.model, plan.commit_timeout, abandoned)
+            self.events.emit("snapshot_written", rank=plan.rank, step=step, bytes=nbytes,
+                             seconds=time.perf_counter() - t0)
+            if manifest is not None:
                 deleted = plan.store.retain(plan.keep)
                 self.events.emit("snapshot_committed", rank=0, step=step, url=plan.store.url,
                                  bytes=sum(f["bytes"] for f in manifest.files.values()),

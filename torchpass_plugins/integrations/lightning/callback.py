@@ -14,6 +14,7 @@ from typing_extensions import override
 
 from torchpass_plugins._compat.lightning import restoring_a_checkpoint
 from torchpass_plugins.errors import ConfigError
+from torchpass_plugins.integrations.lightning.snapshot_parts import ResumedSnapshot
 from torchpass_plugins.observe.events import EventLog
 from torchpass_plugins.storage.snapshot_store import Manifest, SnapshotStore, model_fingerprint
 from torchpass_plugins.storage.snapshot_writer import AsyncSnapshotWriter, SnapshotPlan, WhenBusy
@@ -84,43 +85,49 @@ class TorchPassCallback(Callback):
                 f"(got {type(strategy).__name__})"
             )
         store = SnapshotStore(self.snapshot_dir, self.snapshot_storage_options)
-        writers = strategy.snapshot_writers()
         model = model_fingerprint(pl_module)
-        if not restoring_a_checkpoint(trainer):
-            self._resume(trainer, store, writers, model)
-        plan = SnapshotPlan(store, strategy.global_rank, strategy.world_size, writers, seed=self.runtime.seed,
+        if not restoring_a_checkpoint(trainer):  # nor a spare, which is handed a state
+            # Rank 0, before any collective (so before any rank of this job writes): what an earlier attempt
+            # left half-written would be taken for this job's parts.
+            torn = store.discard_torn() if strategy.global_rank == 0 else None
+            self._resume(trainer, store, model, torn)
+        plan = SnapshotPlan(store, strategy.global_rank, strategy.world_size, strategy.snapshot_writers(),
+                            seed=self.runtime.seed,
                             keep=self.snapshot_keep, when_busy=self.snapshot_when_busy,
-                            commit_timeout=self.snapshot_timeout, model=model)
+                            commit_timeout=self.snapshot_timeout, model=model,
+                            roster=lambda: self.runtime.member.latest_gen)
         self.writer = AsyncSnapshotWriter(plan, self.runtime.events)
         self.runtime.leave_hooks.append(lambda: self.writer.close(timeout=_LAND_ON_LEAVE_S))
         self.runtime.rollback_hooks.append(self.writer.fence)
 
-    def _resume(self, trainer, store: SnapshotStore, writers: list[int], model: str) -> None:
-        """All ranks resume from the newest snapshot whose files all verify (each rank reads the file of
-        its own rank, or the single writer's)."""
+    def _resume(self, trainer, store: SnapshotStore, model: str, torn: list[int] | None) -> None:
+        """All ranks resume from the newest snapshot whose files all verify (each rank verifies a share of
+        them), in this job's layout whatever the layout of the job that wrote it."""
         strategy, events = trainer.strategy, self.runtime.events
         rank = strategy.global_rank
-        steps = strategy.broadcast([m.step for m in store.committed()] if rank == 0 else None, 0)
+        steps, torn = strategy.broadcast(([m.step for m in store.committed()], torn) if rank == 0 else None, 0)
         newest = store.manifest(steps[-1]) if steps else None
         if newest is not None:
-            _refuse_another_jobs(newest, store.url, strategy.world_size, model)
+            _refuse_another_jobs(newest, store.url, model)
 
         def everyone(ok: bool) -> bool:
             return bool(strategy.reduce(torch.tensor(int(ok)), reduce_op="min").item())
 
-        found = store.load_newest(rank if rank in writers else writers[0], steps, everyone)
+        found = store.load_newest(rank, strategy.world_size, steps, everyone)
         if found is None:
             return
-        manifest, state, refused = found
-        strategy.load_snapshot(state)
+        manifest, refused = found
+        strategy.load_snapshot(ResumedSnapshot(store, manifest, rank))
         self.runtime.seed_override = manifest.seed
         self._last_snapshot = step = manifest.step
         reached = self.runtime.member.reached_before_restart()
         lost = None if reached is None else max(0, reached - step)
         events.emit("snapshot_resumed", rank=rank, step=step, url=store.url, refused=refused,
-                    torn=store.torn(), steps_lost=lost)
+                    torn=torn, steps_lost=lost, written_by=manifest.world_size)
         if rank == 0:
-            print(f"torchpass: resuming from the snapshot of step {step} in {store.url}"
+            resharded = (f" (written by {manifest.world_size} ranks, loaded into {strategy.world_size})"
+                         if manifest.world_size != strategy.world_size else "")
+            print(f"torchpass: resuming from the snapshot of step {step} in {store.url}{resharded}"
                   + (f"; the aborted attempt had reached step {reached}: {lost} step(s) lost" if lost is not None
                      else "")
                   + (f" ({len(refused)} newer one(s) refused as corrupted)" if refused else ""),
@@ -156,17 +163,13 @@ class TorchPassCallback(Callback):
                                      "abandoned (the previous snapshot stands)")
 
 
-def _refuse_another_jobs(manifest: Manifest, url: str, world_size: int, model: str) -> None:
+def _refuse_another_jobs(manifest: Manifest, url: str, model: str) -> None:
     """Resuming from another job's snapshot would train the wrong state, and this job's retention would then
-    delete that job's snapshots: stop with the reason instead."""
-    theirs = []
-    if manifest.world_size != world_size:
-        theirs.append(f"{manifest.world_size} ranks, this job has {world_size}")
+    delete that job's snapshots: stop with the reason instead. (Another number of ranks is no reason: the
+    state is resharded as it loads.)"""
     if manifest.model and manifest.model != model:
-        theirs.append("a model whose parameters have other names, shapes or dtypes")
-    if theirs:
         raise ConfigError(
             f"torchpass: the newest snapshot in {url} (step {manifest.step}) was written by another job "
-            f"({'; '.join(theirs)}). Give this job its own snapshot directory (snapshots.dir / snapshot_dir); "
-            "nothing there was read or deleted"
+            "(a model whose parameters have other names, shapes or dtypes). Give this job its own snapshot "
+            "directory (snapshots.dir / snapshot_dir); nothing there was read or deleted"
         )

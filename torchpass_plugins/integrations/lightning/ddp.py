@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import io
 import pickle
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from datetime import timedelta
 from typing import Any, Optional, Union
 
@@ -42,6 +42,7 @@ from torchpass_plugins.errors import ConfigError
 from torchpass_plugins.integrations.lightning.adapter import LightningAdapter
 from torchpass_plugins.integrations.lightning.callback import TorchPassCallback
 from torchpass_plugins.integrations.lightning.environment import TorchPassEnvironment
+from torchpass_plugins.integrations.lightning.snapshot_parts import ResumedSnapshot, capture
 from torchpass_plugins.testing import faults
 
 _REDUCE_OPS = {"sum": torch.distributed.ReduceOp.SUM, "max": torch.distributed.ReduceOp.MAX,
@@ -77,6 +78,7 @@ class TorchPassDDPStrategy(ParallelStrategy):
         self._buckets: GradientBuckets | None = None
         self.runtime = self.cluster_environment.runtime
         self.adapter = LightningAdapter(self)
+        self._resumed: ResumedSnapshot | None = None  # its model and optimizers are loaded as Lightning restores
 
     # -- layout ---------------------------------------------------------------------------------------
     @property
@@ -282,23 +284,38 @@ class TorchPassDDPStrategy(ParallelStrategy):
         self.adapter.resume_data_from(checkpoint)
         return checkpoint
 
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        if self._resumed is None:
+            return super().load_model_state_dict(checkpoint, strict)
+        self._resumed.load_model(self.lightning_module)
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        resumed, self._resumed = self._resumed, None
+        if resumed is None:
+            return super().load_optimizer_state_dict(checkpoint)
+        resumed.load_optimizers(self.lightning_module, self.optimizers)
+
     # -- snapshots (taken and resumed by TorchPassCallback) ---------------------------------------------
     def snapshot_writers(self) -> list[int]:
-        """The ranks that write a snapshot file: every rank holds the whole state, so rank 0 alone."""
+        """The ranks that write a part of each snapshot: every rank holds the whole state, so rank 0 alone."""
         return [0]
 
-    def snapshot_state(self) -> tuple[Any, set[int]]:
-        """At a step boundary: this rank's part of the snapshot, and the ``data_ptr`` of each of its tensors
-        that stays unchanged until the optimizer step (copied in the background meanwhile)."""
-        state = self.adapter.boundary_state(self.runtime.boundary_record)
-        stable = {p.data_ptr() for p in self.lightning_module.parameters()}
-        stable |= {t.data_ptr() for optimizer in self.optimizers for per_param in optimizer.state.values()
-                   for t in per_param.values() if isinstance(t, Tensor)}
-        return state, stable
+    def snapshot_state(self) -> tuple[dict[str, Any], set[int]]:
+        """At a step boundary: the snapshot's parts (:mod:`.snapshot_parts`), and the ``data_ptr`` of the
+        tensors that stay unchanged until the optimizer step (copied in the background meanwhile)."""
+        checkpoint = self.adapter.boundary_state(self.runtime.boundary_record)
+        boundary_buffers = {name: checkpoint["state_dict"][name] for name, _ in self.lightning_module.named_buffers()
+                            if name in checkpoint["state_dict"]}
+        rest = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
+        return capture(self.lightning_module, self.optimizers, self.global_rank, rest, model=boundary_buffers)
 
-    def load_snapshot(self, state: Any) -> None:
-        """Before ``setup``: Lightning's restore path will load ``state`` as from a checkpoint file."""
-        self.adapter.load_state(state)
+    def load_snapshot(self, resumed: ResumedSnapshot) -> None:
+        """Before ``setup``: Lightning's restore path loads the snapshot as from a checkpoint file; the model
+        and the optimizers are read into this job's layout as it restores them."""
+        self._resumed = resumed
+        self.adapter.load_state({**resumed.trainer, "state_dict": {}, "optimizer_states": []})
 
     # -- data -----------------------------------------------------------------------------------------
     @override

@@ -42,6 +42,7 @@ from torchpass_plugins.integrations.lightning.fsdp_state import (
     load_sharded_checkpoint,
     save_sharded_checkpoint,
 )
+from torchpass_plugins.integrations.lightning.snapshot_parts import ResumedSnapshot
 from torchpass_plugins.integrations.lightning.step_replay import ReplayFetcher, StepFailed
 from torchpass_plugins.testing import faults
 
@@ -333,13 +334,15 @@ class TorchPassFSDPStrategy(PoisonedCollectives, TorchPassDDPStrategy):
         return list(range(self.world_size))  # each shard lives on one rank only
 
     @override
-    def snapshot_state(self) -> tuple[Any, set[int]]:
-        """This rank's whole shard and the rest of the boundary state (:meth:`ShardedState.snapshot`)."""
+    def snapshot_state(self) -> tuple[dict[str, Any], set[int]]:
         return self.sharded.snapshot(self.lightning_module.trainer.global_step)
 
     @override
-    def load_snapshot(self, state: Any) -> None:
-        self.sharded.receive_snapshot(state)
+    def load_snapshot(self, resumed: ResumedSnapshot) -> None:
+        """Also adopt this rank's own state at the first boundary (none where the writing job had fewer
+        ranks: that rank's buffers are then rank 0's and its logged values start over)."""
+        super().load_snapshot(resumed)
+        self.sharded.entering_own = resumed.own
 
     # -- recovery -----------------------------------------------------------------------------------------
     def _recover(self, cause: str) -> int:

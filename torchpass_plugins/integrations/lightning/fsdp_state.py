@@ -22,6 +22,7 @@ from torch.optim import Optimizer
 
 from torchpass_plugins._compat.lightning import dump_checkpoint
 from torchpass_plugins.core import shard_state
+from torchpass_plugins.integrations.lightning.snapshot_parts import capture
 
 if TYPE_CHECKING:
     from torchpass_plugins.integrations.lightning.fsdp import TorchPassFSDPStrategy
@@ -56,21 +57,11 @@ class ShardedState:
         self.handing_over = False  # Lightning's checkpoint is being dumped for a spare: no model, no optimizer
 
     def snapshot(self, step: int) -> tuple[dict, set[int]]:
-        """For a snapshot at boundary ``step``: this rank's whole shard (model-aware filtering does not
-        apply: a snapshot is the last resort), its own state and the host part, and the ``data_ptr`` of the
-        shard tensors, which stay unchanged until the optimizer step (copied in the background)."""
+        """For a snapshot at boundary ``step``: this rank's shards, its own state and Lightning's state as
+        of the boundary (model-aware filtering does not apply: a snapshot is the last resort)."""
         s = self.strategy
-        shard = shard_state.capture(s.lightning_module, s.optimizers[0] if s.optimizers else None)
-        stable = {t.data_ptr() for t in shard["params"].values()}
-        stable |= {t.data_ptr() for values in shard["optim"].values() for t in values.values()}
-        return {"host": self.host_checkpoint(step), "shard": shard, "own": self.own[step]}, stable
-
-    def receive_snapshot(self, state: dict) -> None:
-        """Resuming from a snapshot: its shard is loaded once the shards exist (after setup), its own state at
-        the first boundary, the rest through Lightning's restore now."""
-        self.incoming = state["shard"]
-        self.entering_own = state["own"]
-        self.strategy.adapter.load_state(state["host"])
+        rest = {k: v for k, v in self.host_checkpoint(step).items() if k not in ("state_dict", "optimizer_states")}
+        return capture(s.lightning_module, s.optimizers, s.global_rank, rest, own=self.own[step])
 
     def skipped_parameters(self) -> frozenset[str]:
         """Model-aware mode: the parameters ``state_filter`` leaves out of replicas and hand-overs."""
