@@ -12,7 +12,8 @@ from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
+def local_part(t: torch.Tensor) -> torch.Tensor:
+    """What this rank holds of ``t``: its chunk of a sharded tensor, else the tensor."""
     return t.to_local() if isinstance(t, DTensor) else t
 
 
@@ -20,14 +21,14 @@ def capture(module: nn.Module, optimizer: Optimizer | None, skip: frozenset[str]
     """This rank's shards as plain local tensors (the live ones: packing copies them); ``skip`` names
     parameters whose state need not move (model-aware mode)."""
     with torch.no_grad():  # ``to_local`` outside autograd: a quarter of its cost, paid by the training thread
-        params = {n: _local(p) for n, p in module.named_parameters() if n not in skip}
+        params = {n: local_part(p) for n, p in module.named_parameters() if n not in skip}
         optim: dict[str, dict[str, torch.Tensor]] = {}
         if optimizer is not None:
             names = {id(p): n for n, p in module.named_parameters()}
             for p, state in optimizer.state.items():
                 name = names.get(id(p))
                 if name is not None and name not in skip:
-                    optim[name] = {k: _local(v) for k, v in state.items() if torch.is_tensor(v)}
+                    optim[name] = {k: local_part(v) for k, v in state.items() if torch.is_tensor(v)}
     return {"params": params, "optim": optim}
 
 
@@ -36,7 +37,7 @@ def restore(module: nn.Module, optimizer: Optimizer | None, state: dict[str, Any
     named = dict(module.named_parameters())
     with torch.no_grad():
         for name, value in state["params"].items():
-            _local(named[name]).copy_(value)
+            local_part(named[name]).copy_(value)
         if optimizer is None:
             return
         for name in state["params"].keys() - state["optim"].keys():
@@ -46,8 +47,8 @@ def restore(module: nn.Module, optimizer: Optimizer | None, state: dict[str, Any
             slot = optimizer.state[p]
             for key, value in values.items():
                 if isinstance(slot.get(key), torch.Tensor):
-                    _local(slot[key]).copy_(value)
-                elif isinstance(p, DTensor) and value.shape == _local(p).shape and value.dim() > 0:
+                    local_part(slot[key]).copy_(value)
+                elif isinstance(p, DTensor) and value.shape == local_part(p).shape and value.dim() > 0:
                     slot[key] = DTensor.from_local(value.clone(), p.device_mesh, p.placements, run_check=False,
                                                    shape=p.shape, stride=p.stride())
                 else:

@@ -20,9 +20,9 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from torchpass_plugins.core.host_copy import to_host
+from torchpass_plugins.core.shard_state import local_part
 from torchpass_plugins.observe.events import EventLog
 from torchpass_plugins.storage.snapshot_store import RankSave, SnapshotStore
 from torchpass_plugins.testing import faults
@@ -30,11 +30,6 @@ from torchpass_plugins.testing import faults
 log = logging.getLogger(__name__)
 
 WhenBusy = Literal["skip", "wait"]
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """What this rank holds of ``t``: its chunk of a sharded tensor, else the tensor."""
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 @dataclass
@@ -86,7 +81,7 @@ class AsyncSnapshotWriter:
         save = plan.store.save(step, plan.rank, plan.world_size, plan.writers, state) if plan.writes else None
         values = save.values if save is not None else {}
         with torch.no_grad():
-            tensors = {name: _local(v) for name, v in values.items() if isinstance(v, torch.Tensor)}
+            tensors = {name: local_part(v) for name, v in values.items() if isinstance(v, torch.Tensor)}
         now = [name for name, t in tensors.items() if t.data_ptr() not in stable]
         deferred = [name for name in tensors if name not in set(now)]
         staged = {name: copy.deepcopy(v) for name, v in values.items() if name not in tensors}

@@ -28,9 +28,9 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
-from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
+from torchpass_plugins.core.shard_state import local_part
 from torchpass_plugins.storage.snapshot_store import Manifest, SnapshotCorrupted, SnapshotStore
 
 
@@ -42,10 +42,6 @@ def _pack(obj: Any) -> bytes:
 
 def _unpack(data: bytes) -> Any:
     return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def capture(module: nn.Module, optimizers: list[Optimizer], rank: int, trainer_state: dict[str, Any],
@@ -61,8 +57,8 @@ def capture(module: nn.Module, optimizers: list[Optimizer], rank: int, trainer_s
     if own is not None:
         state[f"rank{rank}"] = _pack(own)
     with torch.no_grad():
-        stable = {_local(p).data_ptr() for p in module.parameters()}
-        stable |= {_local(t).data_ptr() for optimizer in optimizers for per_param in optimizer.state.values()
+        stable = {local_part(p).data_ptr() for p in module.parameters()}
+        stable |= {local_part(t).data_ptr() for optimizer in optimizers for per_param in optimizer.state.values()
                    for t in per_param.values() if isinstance(t, torch.Tensor)}
     return state, stable
 
