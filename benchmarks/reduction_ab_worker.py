@@ -33,6 +33,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from torchpass_plugins.control.worker import current_runtime
 from torchpass_plugins.core.grad_buckets import GradientBuckets
+from torchpass_plugins.core.training_state import OWN, Held
 
 ARMS = ("ddp", "ddp_sigterm", "torchpass")
 ORDERS = list(itertools.permutations(ARMS))
@@ -51,21 +52,17 @@ class _Loop:
     def boundary_snapshot(self) -> None:
         return None
 
-    def boundary_state(self, snapshot: Any) -> Any:
-        raise RuntimeError("reduction_ab runs without spares: no state to hand over")
+    def training_state(self) -> dict[str, Held]:
+        """No spares run, so only the ``own`` part is ever read: what a Lightning rank copies to its ring
+        successor twice per step (its logged running values)."""
+        own = {"loss": {"value": torch.zeros(()), "cumulated_batch_size": torch.zeros(())}, "step": self.applied}
+        return {OWN: Held(own)}
 
     def load_state(self, state: Any) -> None:
         raise RuntimeError("reduction_ab runs without spares: no state to adopt")
 
     def state_tensors(self) -> list[torch.Tensor]:
         return []
-
-    def rank_state(self) -> dict:
-        """What a Lightning rank copies to its ring successor twice per step: its logged running values."""
-        return {"loss": {"value": torch.zeros(()), "cumulated_batch_size": torch.zeros(())}, "step": self.applied}
-
-    def load_rank_state(self, state: Any) -> None:
-        raise RuntimeError("reduction_ab runs without spares: no state to adopt")
 
 
 def main() -> None:

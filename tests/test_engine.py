@@ -5,6 +5,7 @@ once per rank, and the protocol must take the path its rules prescribe (retry, c
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import fake_engine
@@ -17,9 +18,17 @@ from torchpass_plugins.core import rng
 from torchpass_plugins.core.grad_buckets import GradientBuckets
 from torchpass_plugins.core.interfaces import Phase
 from torchpass_plugins.core.runtime import Runtime
+from torchpass_plugins.core.training_state import OWN, TRAINER
 from torchpass_plugins.testing import faults
 
 STEPS, WORLD, SEED, DIM = 6, 3, 7, 4
+
+
+class _Part:
+    """A part of the training state (``Stateful``) read and written by two functions."""
+
+    def __init__(self, read: Callable[[], Any], write: Callable[[Any], None]) -> None:
+        self.state_dict, self.load_state_dict = read, write
 
 
 class Trainer:
@@ -86,24 +95,28 @@ class Trainer:
     def boundary_snapshot(self) -> int:
         return self.applied
 
-    def boundary_state(self, snapshot: Any) -> dict[str, Any]:
-        return {"applied": self.applied, "w": self.w.detach(), "b": self.b.detach(), "momentum": self.momentum}
+    def training_state(self) -> dict[str, _Part]:
+        return {
+            "weights": _Part(lambda: {"w": self.w.detach(), "b": self.b.detach(), "momentum": self.momentum},
+                             self._load_weights),
+            TRAINER: _Part(lambda: {"applied": self.applied}, lambda s: setattr(self, "applied", s["applied"])),
+            OWN: _Part(lambda: {"loss_sum": self.loss_sum.clone()},
+                       lambda s: setattr(self, "loss_sum", s["loss_sum"].clone())),
+        }
 
-    def state_tensors(self) -> list[torch.Tensor]:
-        return [self.w.detach(), self.b.detach()]
-
-    def load_state(self, state: dict[str, Any]) -> None:
+    def _load_weights(self, state: dict[str, Any]) -> None:
         with torch.no_grad():
             self.w.copy_(state["w"])
             self.b.copy_(state["b"])
         self.momentum = state["momentum"]
-        self.applied = state["applied"]
 
-    def rank_state(self) -> dict[str, torch.Tensor]:
-        return {"loss_sum": self.loss_sum.clone()}
+    def state_tensors(self) -> list[torch.Tensor]:
+        return [self.w.detach(), self.b.detach()]
 
-    def load_rank_state(self, state: dict[str, torch.Tensor]) -> None:
-        self.loss_sum = state["loss_sum"].clone()
+    def load_state(self, values: dict[str, Any]) -> None:
+        for name, part in self.training_state().items():
+            if name != OWN:
+                part.load_state_dict(values[name])
 
     def final(self) -> dict[str, torch.Tensor]:
         return {"w": self.w.detach(), "b": self.b.detach(), "momentum_w": self.momentum["w"],

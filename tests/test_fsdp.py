@@ -81,9 +81,15 @@ def test_a_sharded_checkpoint_restores_every_shard(tmp_path):
     assert codes == [0], job.output()[-3000:]
     assert (ckpt / ".metadata").is_file() and (ckpt / "lightning.pt").is_file()  # DCP shards + the rest
     saved, saved_job = job.final(), job
-    # Resuming at the saved step runs no step: what comes out is exactly what was loaded.
-    job, codes = run(tmp_path / "load", nproc=3, spares=0, train_args=(*steps, "--resume", str(ckpt)))
+    # Resuming at the saved step runs no step: what comes out is exactly what was loaded. A snapshot an
+    # earlier attempt left half-written is deleted as the job starts (its parts are not this job's).
+    torn = tmp_path / "snapshots" / "step-000000009"
+    torn.mkdir(parents=True)
+    (torn / "__0_0.distcp").write_bytes(b"an earlier attempt's part")
+    job, codes = run(tmp_path / "load", nproc=3, spares=0,
+                     train_args=(*steps, "--resume", str(ckpt), "--snapshot-dir", str(tmp_path / "snapshots")))
     assert codes == [0], job.output()[-3000:]
+    assert not torn.exists()
     loaded = job.final()
     assert (loaded["global_step"], loaded["adam_steps"]) == (saved["global_step"], saved["adam_steps"])
     for name, tensor in saved["weights"].items():

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from torchpass_plugins.control.membership import Unrecoverable
-from torchpass_plugins.core import shard_state
 from torchpass_plugins.core.sharded_recovery import ShardAgreement, ShardRow
+from torchpass_plugins.core.training_state import MODEL, OPTIMIZER, ModelState, OptimizerState, capture
 from torchpass_plugins.integrations.lightning.step_replay import ReplayFetcher
 
 SPARE = ShardRow(spare=True)
@@ -112,12 +112,14 @@ def test_rolling_back_to_before_the_first_step_drops_the_optimizer_state_taken_s
         model(x).square().mean().backward()
         optimizer.step()
 
-    at_start = copy.deepcopy(shard_state.capture(model, optimizer))
-    assert at_start["optim"] == {}
+    parts = {MODEL: ModelState(model, buffers=False), OPTIMIZER: OptimizerState(model, [optimizer])}
+    at_start = copy.deepcopy(capture(parts))
+    assert at_start[OPTIMIZER]["state"] == {}
     step()
     after_one = copy.deepcopy(model.state_dict())
     step()
-    shard_state.restore(model, optimizer, at_start)
+    for name, part in parts.items():
+        part.load_state_dict(at_start[name])
     assert not optimizer.state
     step()
     for name, tensor in model.state_dict().items():

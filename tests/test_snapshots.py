@@ -20,7 +20,7 @@ from jobs import free_port, run
 
 from torchpass_plugins.errors import ConfigError
 from torchpass_plugins.integrations.lightning.callback import _refuse_another_jobs
-from torchpass_plugins.integrations.lightning.snapshot_parts import ResumedSnapshot
+from torchpass_plugins.integrations.lightning.state_parts import ResumedSnapshot
 from torchpass_plugins.observe.events import EventLog, read_events
 from torchpass_plugins.storage.snapshot_store import (
     Manifest,

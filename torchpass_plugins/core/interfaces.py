@@ -13,6 +13,8 @@ from typing import Any, Protocol
 
 import torch
 
+from torchpass_plugins.core.training_state import Stateful
+
 
 class Phase(Enum):
     """Where a member stands in the job; every rank's mode is derived from this one value.
@@ -35,24 +37,20 @@ class Adapter(Protocol):
     def applied_steps(self) -> int:
         """Optimizer steps applied so far."""
 
-    def boundary_state(self, snapshot: Any) -> Any:
-        """The full state a spare needs to enter at the last step boundary (``snapshot`` taken there)."""
-
     def boundary_snapshot(self) -> Any:
         """Cheap per-boundary record of what changes within a step (e.g. loop progress)."""
 
-    def load_state(self, state: Any) -> None:
-        """Spare side: adopt ``state`` received from the donor."""
+    def training_state(self) -> dict[str, Stateful]:
+        """The training state as of the last step boundary, as named parts
+        (:mod:`torchpass_plugins.core.training_state`); ``own``, where there is one, is what this rank holds
+        that its peers do not (metric states, logged values)."""
+
+    def load_state(self, values: dict[str, Any]) -> None:
+        """Spare side: adopt the parts' values received from the donor (all but ``own``)."""
 
     def state_tensors(self) -> list[torch.Tensor]:
-        """The large tensors of ``boundary_state`` (weights, optimizer state) without building it: what a
+        """The large tensors of the training state (weights, optimizer state) without building it: what a
         spare prepares a :class:`Landing` for (empty where no full state is handed over)."""
-
-    def rank_state(self) -> Any:
-        """What this rank holds that its peers do not (metric states, logged values), as plain data."""
-
-    def load_rank_state(self, state: Any) -> None:
-        """Spare side: adopt the lost rank's :meth:`rank_state`, at the first step boundary."""
 
 
 class RecoveryPlan(Protocol):

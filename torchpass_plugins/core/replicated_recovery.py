@@ -18,6 +18,7 @@ from torchpass_plugins.control.protocol import LANDING_KEY
 from torchpass_plugins.core.collective_log import BEFORE_LOOP, Position
 from torchpass_plugins.core.interfaces import Phase
 from torchpass_plugins.core.state_transfer import Landing, recv_state, send_state
+from torchpass_plugins.core.training_state import OWN, capture
 from torchpass_plugins.testing import faults
 
 if TYPE_CHECKING:
@@ -158,7 +159,7 @@ class ReplicatedPlan:
             rt.phase = Phase.ENTERING
         elif rt.rank == a.donor:
             if a.immediate:
-                send_state_to(rt, a.spares, rt.adapter.boundary_state(rt.boundary_record))
+                send_state_to(rt, a.spares)
             else:
                 rt.deferred_hand_over = (a.entry_step, a.spares)
 
@@ -187,8 +188,10 @@ class ReplicatedPlan:
                 rt.events.emit("rank_state_received", rank=spare, kind=received["kind"], step=a.entry_step)
 
 
-def send_state_to(rt: Runtime, spares: list[int], state: Any) -> None:
-    """The donor's side of a hand-over: the whole state to each spare, one after the other."""
+def send_state_to(rt: Runtime, spares: list[int]) -> None:
+    """The donor's side of a hand-over: the training state as of the last boundary (every part but this
+    rank's own) to each spare, one after the other."""
+    state = capture(rt.adapter.training_state(), leave_out=(OWN,))
     for dst in spares:
         faults.point("donor")
         t0 = time.perf_counter()

@@ -34,6 +34,7 @@ from torchpass_plugins.core.rank_state import RankStateRing
 from torchpass_plugins.core.replicated_recovery import ReplicatedPlan, announce_landing, prepare_landing, send_state_to
 from torchpass_plugins.core.state_transfer import Landing
 from torchpass_plugins.core.step_signals import SignalVerbs, StepSignals
+from torchpass_plugins.core.training_state import OWN
 from torchpass_plugins.observe.events import EventLog
 from torchpass_plugins.testing import faults
 
@@ -175,7 +176,8 @@ class Runtime(SignalVerbs):
                 buckets.complete(self.transport, issued=lambda: faults.point("reduce"))
                 reduced = True
                 if self.rank_state is not None:  # before the vote: a finished vote implies every copy is made
-                    self.rank_state.exchange(self.transport, "vote", self.step, self.adapter.rank_state())
+                    own = self.adapter.training_state()[OWN].state_dict()
+                    self.rank_state.exchange(self.transport, "vote", self.step, own)
                 faults.point("commit")
                 vote = self._ballot()
                 self.transport.all_reduce(vote, what="commit vote")
@@ -226,7 +228,7 @@ class Runtime(SignalVerbs):
         while self.deferred_hand_over and self.deferred_hand_over[0] == step:
             spares, self.deferred_hand_over = self.deferred_hand_over[1], None
             try:
-                send_state_to(self, spares, self.adapter.boundary_state(None))
+                send_state_to(self, spares)
             except PeerFailure as exc:
                 self._recover((step, 0), reduced=False, cause=str(exc))
         if self.rank_state is not None:
@@ -236,9 +238,9 @@ class Runtime(SignalVerbs):
         """The boundary's copy of this rank's rank-local state to its successor: the first collective of the
         step (a member that others passed skips it: its successor holds the copy of its predecessor)."""
         if self.entering_rank_state is not None:
-            self.adapter.load_rank_state(self.entering_rank_state)
+            self.adapter.training_state()[OWN].load_state_dict(self.entering_rank_state)
             self.entering_rank_state = None
-        state = self.adapter.rank_state()
+        state = self.adapter.training_state()[OWN].state_dict()
         self.collective(lambda t: self.rank_state.exchange(t, "boundary", step, state), None)
 
     # -- recovery ----------------------------------------------------------------------------------------

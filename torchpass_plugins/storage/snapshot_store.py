@@ -28,7 +28,7 @@ import fsspec
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.metadata import MetadataIndex
+from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
 from torch.distributed.tensor import DTensor
 
 from torchpass_plugins._compat.torch_distributed import fsspec_reader, fsspec_writer
@@ -305,6 +305,18 @@ class SnapshotStore:
         for name, value in planner.state_dict.items():
             if not isinstance(value, torch.Tensor):
                 _put(state, planner.mappings[name], value)
+
+    def stored(self, manifest: Manifest, prefix: str) -> dict[str, tuple[torch.Size, torch.dtype] | None]:
+        """The entries a snapshot holds under ``prefix`` (a part's path, e.g. ``"optim.state."``), by the rest
+        of their name: a tensor's size and dtype, None for another value (what to prepare to load them into)."""
+        where = f"{self.url.rstrip('/')}/step-{manifest.step:09d}"
+        try:
+            metadata = fsspec_reader(where, self.storage_options).read_metadata()
+        except Exception as exc:  # whatever unpickling a damaged file raises
+            raise SnapshotCorrupted(f"{where}/.metadata cannot be read: {type(exc).__name__}: {exc}") from exc
+        return {name[len(prefix):]: (entry.size, entry.properties.dtype)
+                if isinstance(entry, TensorStorageMetadata) else None
+                for name, entry in metadata.state_dict_metadata.items() if name.startswith(prefix)}
 
     def load_newest(self, rank: int = 0, world_size: int = 1, steps: list[int] | None = None,
                     agree: Callable[[bool], bool] = bool) -> tuple[Manifest, list[str]] | None:

@@ -22,7 +22,7 @@ from typing import Any, Literal
 import torch
 
 from torchpass_plugins.core.host_copy import to_host
-from torchpass_plugins.core.shard_state import local_part
+from torchpass_plugins.core.training_state import local_part
 from torchpass_plugins.observe.events import EventLog
 from torchpass_plugins.storage.snapshot_store import RankSave, SnapshotStore
 from torchpass_plugins.testing import faults

@@ -45,6 +45,7 @@ from torchpass_plugins.core.default_group import RetryingGroup
 from torchpass_plugins.core.grad_buckets import GradientBuckets
 from torchpass_plugins.core.runtime import Runtime
 from torchpass_plugins.core.sampler import SeededSampler, seed_fetches
+from torchpass_plugins.core.training_state import OWN, TRAINER, Held, Stateful
 from torchpass_plugins.core.tree import tensors_in
 from torchpass_plugins.errors import ConfigError
 from torchpass_plugins.testing import faults
@@ -181,6 +182,8 @@ class TorchPass:
         check_loader(loaders[0])
         self._order = seed_loader(loaders[0], self.runtime.seed)
         for name, obj in objects.items():
+            if name in (TRAINER, OWN):
+                raise ConfigError(f"torchpass: track({name}=...): the name {name!r} is torchpass's own; choose another")
             if not (_stateful(obj) or isinstance(obj, DataLoaderShard)):
                 raise ConfigError(f"torchpass: track({name}=...) has no state_dict/load_state_dict to hand over")
         self.accelerator, self.loader = accelerator, loaders[0]
@@ -292,34 +295,52 @@ class TorchPass:
     def boundary_snapshot(self) -> dict[str, int]:
         return {"iteration": self._iteration, "consumed": self._consumed, "accumulation": self.accelerator.step}
 
-    def boundary_state(self, snapshot: Any) -> dict[str, Any]:
-        if self._pending is not None:  # promoted, not yet tracking: hand on what it received
-            return self._pending
-        state = {"applied": self.applied, "position": snapshot or self.boundary_snapshot(),
-                 "objects": {name: obj.state_dict() for name, obj in self._objects.items()}}
-        if self.accelerator.scaler is not None:
-            state["scaler"] = self.accelerator.scaler.state_dict()
-        return state
+    def training_state(self) -> dict[str, Stateful]:
+        """The tracked objects under their names, and the loop's position as the ``trainer`` part (a spare
+        promoted before it tracks anything hands on what it received)."""
+        if self._pending is not None:
+            return {name: Held(values) for name, values in self._pending.items()}
+        return {**self._objects, TRAINER: _LoopState(self)}
 
     def state_tensors(self) -> list[torch.Tensor]:
         return tensors_in([obj.state_dict() for obj in self._objects.values()]) if self._tracked else []
 
-    def load_state(self, state: dict[str, Any]) -> None:
-        self.applied = state["applied"]
+    def load_state(self, values: dict[str, Any]) -> None:
+        self.applied = values[TRAINER]["applied"]
         if self._tracked:
-            self._adopt(state)
+            self._adopt(values)
         else:
-            self._pending = state
+            self._pending = values
 
-    def _adopt(self, state: dict[str, Any]) -> None:
-        missing = set(self._objects) - set(state["objects"])
+    def _adopt(self, values: dict[str, Any]) -> None:
+        missing = set(self._objects) - set(values)
         if missing:
             raise ConfigError(f"torchpass: the peers track no state for {sorted(missing)}; track the same names")
         for name, obj in self._objects.items():
-            obj.load_state_dict(state["objects"][name])
-        if "scaler" in state:
-            self.accelerator.scaler.load_state_dict(state["scaler"])
-        position = state["position"]
-        self._iteration, self._consumed = position["iteration"], position["consumed"]
-        self.accelerator.step = position["accumulation"]
+            obj.load_state_dict(values[name])
+        _LoopState(self).load_state_dict(values[TRAINER])
         log.info("torchpass: entered at step %d (pass %d, batch %d)", self.applied, self._iteration, self._consumed)
+
+
+class _LoopState:
+    """Where the loop stands at the last step boundary: optimizer steps applied, the data position,
+    Accelerate's accumulation counter, and its gradient scaler."""
+
+    def __init__(self, tp: TorchPass) -> None:
+        self.tp = tp
+
+    def state_dict(self) -> dict[str, Any]:
+        tp = self.tp
+        state = {"applied": tp.applied, "position": tp.runtime.boundary_record or tp.boundary_snapshot()}
+        if tp.accelerator.scaler is not None:
+            state["scaler"] = tp.accelerator.scaler.state_dict()
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        tp = self.tp
+        tp.applied = state["applied"]
+        if "scaler" in state:
+            tp.accelerator.scaler.load_state_dict(state["scaler"])
+        position = state["position"]
+        tp._iteration, tp._consumed = position["iteration"], position["consumed"]
+        tp.accelerator.step = position["accumulation"]

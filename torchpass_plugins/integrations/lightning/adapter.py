@@ -15,16 +15,15 @@ from torchpass_plugins._compat.lightning import (
     continue_from_boundary,
     dataloader_with_sampler,
     drop_loader_positions,
-    dump_checkpoint,
-    load_rank_local_state,
-    rank_local_state,
     replays_a_batch_end,
     restore_at_fit_start,
     users_sampler,
 )
 from torchpass_plugins.core.sampler import SeededSampler, generators_of, seed_fetches
+from torchpass_plugins.core.training_state import Stateful
 from torchpass_plugins.core.tree import tensors_in
 from torchpass_plugins.errors import ConfigError
+from torchpass_plugins.integrations.lightning.state_parts import FromPeer
 from torchpass_plugins.testing import faults
 
 if TYPE_CHECKING:
@@ -71,35 +70,26 @@ class LightningAdapter:
     def boundary_snapshot(self) -> Any:
         return self.trainer.fit_loop.state_dict()  # built afresh from the progress objects: a snapshot
 
-    def boundary_state(self, snapshot: Any) -> Any:
-        checkpoint = dump_checkpoint(self.trainer)
-        if snapshot is not None:
-            checkpoint["loops"]["fit_loop"] = snapshot
-        sync = self.strategy.runtime.buffer_sync
-        if sync is not None:  # the step's forward has moved the live buffers on since the boundary
-            state = checkpoint["state_dict"]
-            state.update((name, value) for name, value in sync.boundary_values().items() if name in state)
-        return checkpoint
-
-    def rank_state(self) -> Any:
-        return rank_local_state(self.trainer)
-
-    def load_rank_state(self, state: Any) -> None:
-        load_rank_local_state(self.trainer, state)
+    def training_state(self) -> dict[str, Stateful]:
+        return self.strategy.training_state()
 
     def state_tensors(self) -> list[Tensor]:
-        """Weights and optimizer state, read without ``dump_checkpoint`` (which runs the user's hooks); none
-        for sharded parameters, whose spare receives a shard from its ring successor instead."""
+        """Weights and optimizer state, read without building the parts; none for sharded parameters, whose
+        spare receives a shard from its ring successor instead."""
         params = list(self.strategy.lightning_module.state_dict().values())
         if any(isinstance(p, DTensor) for p in params):
             return []
         return tensors_in([params, [list(s.values()) for o in self.strategy.optimizers for s in o.state.values()]])
 
-    def load_state(self, checkpoint: Any) -> None:
-        # ``fit(ckpt_path=None)`` leaves this in place, so Lightning restores model, optimizers,
-        # schedulers, callbacks and loops from it exactly as from a checkpoint file.
-        restore_at_fit_start(self.trainer, checkpoint)
-        self.resume_data_from(checkpoint)
+    def load_state(self, values: dict[str, Any]) -> None:
+        self.strategy.adopt(FromPeer(values))
+
+    def restore_trainer(self, trainer_state: dict[str, Any]) -> None:
+        """``fit`` restores ``trainer_state`` (the trainer part) as from a checkpoint file (``ckpt_path=None``
+        leaves it in place): loops, schedulers, callbacks, precision; the model and the optimizers come from
+        their own parts, loaded as Lightning restores them."""
+        restore_at_fit_start(self.trainer, {**trainer_state, "state_dict": {}, "optimizer_states": []})
+        self.resume_data_from(trainer_state)
         self._restored_at_boundary = True
 
     def step_starts(self, data_fetcher: Any) -> bool:

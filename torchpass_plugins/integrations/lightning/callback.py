@@ -13,8 +13,9 @@ from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
 from torchpass_plugins._compat.lightning import restoring_a_checkpoint
+from torchpass_plugins.core.interfaces import Phase
 from torchpass_plugins.errors import ConfigError
-from torchpass_plugins.integrations.lightning.snapshot_parts import ResumedSnapshot
+from torchpass_plugins.integrations.lightning.state_parts import ResumedSnapshot
 from torchpass_plugins.observe.events import EventLog
 from torchpass_plugins.storage.snapshot_store import Manifest, SnapshotStore, model_fingerprint
 from torchpass_plugins.storage.snapshot_writer import AsyncSnapshotWriter, SnapshotPlan, WhenBusy
@@ -86,10 +87,11 @@ class TorchPassCallback(Callback):
             )
         store = SnapshotStore(self.snapshot_dir, self.snapshot_storage_options)
         model = model_fingerprint(pl_module)
-        if not restoring_a_checkpoint(trainer):  # nor a spare, which is handed a state
-            # Rank 0, before any collective (so before any rank of this job writes): what an earlier attempt
-            # left half-written would be taken for this job's parts.
-            torn = store.discard_torn() if strategy.global_rank == 0 else None
+        # A job's start (not a spare entering it): rank 0, before any collective (so before any rank of this
+        # job writes), deletes what an earlier attempt left half-written, which would be taken for this job's.
+        starting = self.runtime.phase is Phase.ACTIVE
+        torn = store.discard_torn() if starting and strategy.global_rank == 0 else None
+        if not restoring_a_checkpoint(trainer):  # neither the user's checkpoint nor a spare's handed state
             self._resume(trainer, store, model, torn)
         plan = SnapshotPlan(store, strategy.global_rank, strategy.world_size, strategy.snapshot_writers(),
                             seed=self.runtime.seed,
@@ -117,7 +119,7 @@ class TorchPassCallback(Callback):
         if found is None:
             return
         manifest, refused = found
-        strategy.load_snapshot(ResumedSnapshot(store, manifest, rank))
+        strategy.adopt(ResumedSnapshot(store, manifest, rank))
         self.runtime.seed_override = manifest.seed
         self._last_snapshot = step = manifest.step
         reached = self.runtime.member.reached_before_restart()

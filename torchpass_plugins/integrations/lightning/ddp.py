@@ -10,16 +10,14 @@ Lightning makes (barrier, broadcast, ``sync_dist`` reductions, ``all_gather``) g
 
 from __future__ import annotations
 
-import io
-import pickle
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any, Optional, Union
 
 import torch
 from lightning.fabric.utilities.rank_zero import rank_zero_only as fabric_rank_zero_only
 from lightning.pytorch.strategies import ParallelStrategy
-from lightning.pytorch.strategies.strategy import TBroadcast
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from torch import Tensor
@@ -38,18 +36,26 @@ from torchpass_plugins.core.buffer_sync import BufferSync
 from torchpass_plugins.core.default_group import RetryingGroup
 from torchpass_plugins.core.grad_buckets import GradientBuckets
 from torchpass_plugins.core.process_group import ReconfigurableGroup
+from torchpass_plugins.core.training_state import (
+    MODEL,
+    OPTIMIZER,
+    OWN,
+    TRAINER,
+    ModelState,
+    OptimizerState,
+    Stateful,
+    stable_pointers,
+)
 from torchpass_plugins.errors import ConfigError
 from torchpass_plugins.integrations.lightning.adapter import LightningAdapter
 from torchpass_plugins.integrations.lightning.callback import TorchPassCallback
+from torchpass_plugins.integrations.lightning.ddp_collectives import RecoverableCollectives
 from torchpass_plugins.integrations.lightning.environment import TorchPassEnvironment
-from torchpass_plugins.integrations.lightning.snapshot_parts import ResumedSnapshot, capture
+from torchpass_plugins.integrations.lightning.state_parts import Incoming, LoggedState, TrainerState, snapshot_values
 from torchpass_plugins.testing import faults
 
-_REDUCE_OPS = {"sum": torch.distributed.ReduceOp.SUM, "max": torch.distributed.ReduceOp.MAX,
-               "min": torch.distributed.ReduceOp.MIN}
 
-
-class TorchPassDDPStrategy(ParallelStrategy):
+class TorchPassDDPStrategy(RecoverableCollectives, ParallelStrategy):
     """Data parallel with hot spares. Use ``strategy="torchpass_ddp"`` under ``torchpass launch``."""
 
     strategy_name = "torchpass_ddp"
@@ -78,7 +84,8 @@ class TorchPassDDPStrategy(ParallelStrategy):
         self._buckets: GradientBuckets | None = None
         self.runtime = self.cluster_environment.runtime
         self.adapter = LightningAdapter(self)
-        self._resumed: ResumedSnapshot | None = None  # its model and optimizers are loaded as Lightning restores
+        self._incoming: Incoming | None = None  # a state to adopt: its model and optimizers as Lightning restores
+        self._handing_over = False  # Lightning's checkpoint is dumped for its trainer part: no model, no optimizer
 
     # -- layout ---------------------------------------------------------------------------------------
     @property
@@ -231,53 +238,6 @@ class TorchPassDDPStrategy(ParallelStrategy):
         faults.point("optimizer")
         return result
 
-    # -- collectives ----------------------------------------------------------------------------------
-    @override
-    def barrier(self, name: Optional[str] = None) -> None:
-        self.runtime.collective(lambda t: t.sync(), None)
-
-    def _wait_for_all(self, name: str) -> None:
-        """A barrier with no time limit (:meth:`ReconfigurableGroup.wait_for_all`)."""
-        self.runtime.collective(lambda t: t.wait_for_all(name), None)
-
-    @override
-    def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
-        def run(t: ReconfigurableGroup) -> TBroadcast:
-            buf = io.BytesIO()
-            if t.rank == src:
-                pickle.dump(obj, buf)
-            data = torch.frombuffer(bytearray(buf.getvalue() or b"\0"), dtype=torch.uint8)
-            size = torch.tensor([data.numel()], dtype=torch.int64)
-            t.broadcast_from(size, src)
-            if t.rank != src:
-                data = torch.empty(int(size), dtype=torch.uint8)
-            t.broadcast_from(data, src)
-            return obj if t.rank == src else pickle.loads(data.numpy().tobytes())
-
-        return self.runtime.collective(run, obj)
-
-    @override
-    def reduce(self, tensor: Any, group: Optional[Any] = None, reduce_op: Optional[Union[str, Any]] = "mean") -> Any:
-        if not isinstance(tensor, Tensor):
-            return tensor
-        op = (reduce_op or "mean").lower() if isinstance(reduce_op, str) else reduce_op
-        mean = op in ("mean", "avg")
-        dist_op = _REDUCE_OPS.get("sum" if mean else op, op)
-
-        def run(t: ReconfigurableGroup) -> Tensor:
-            out = tensor.detach().clone().to(torch.float32 if mean and not tensor.is_floating_point() else tensor.dtype)
-            t.all_reduce(out, dist_op)
-            return out / t.world_size if mean else out
-
-        return self.runtime.collective(run, tensor)
-
-    @override
-    def all_gather(self, tensor: Tensor, group: Optional[Any] = None, sync_grads: bool = False) -> Tensor:
-        return self.runtime.collective(
-            lambda t: torch.stack(t.all_gather(tensor.detach().contiguous())),
-            torch.stack([tensor] * self.world_size),
-        )
-
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only)
@@ -286,16 +246,51 @@ class TorchPassDDPStrategy(ParallelStrategy):
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        if self._resumed is None:
+        if self._incoming is None:
             return super().load_model_state_dict(checkpoint, strict)
-        self._resumed.load_model(self.lightning_module)
+        self._incoming.load_model(self.training_state(complete=self._incoming.complete))
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        resumed, self._resumed = self._resumed, None
-        if resumed is None:
+        incoming, self._incoming = self._incoming, None
+        if incoming is None:
             return super().load_optimizer_state_dict(checkpoint)
-        resumed.load_optimizers(self.lightning_module, self.optimizers)
+        incoming.load_optimizers(self.training_state(complete=incoming.complete))
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        return {} if self._handing_over else super().lightning_module_state_dict()
+
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        return {} if self._handing_over else super().optimizer_state(optimizer)
+
+    @contextmanager
+    def without_model_and_optimizers(self) -> Iterator[None]:
+        """Lightning's checkpoint dumped meanwhile leaves out the model and the optimizers (parts of their own)."""
+        self._handing_over = True
+        try:
+            yield
+        finally:
+            self._handing_over = False
+
+    # -- the training state (handed to spares, written to snapshots) -----------------------------------
+    def training_state(self, complete: bool = True) -> dict[str, Stateful]:
+        """The state as of the last step boundary, as named parts (:mod:`torchpass_plugins.core.training_state`):
+        every rank holds the same but its ``own`` part. (``complete`` matters to sharded strategies.)"""
+        module, sync = self.lightning_module, self.runtime.buffer_sync
+        return {
+            MODEL: ModelState(module, at_boundary=sync.boundary_values() if sync is not None else None),
+            OPTIMIZER: OptimizerState(module, self.optimizers),
+            TRAINER: TrainerState(self, lambda: {"loops": self.runtime.boundary_record}),
+            OWN: LoggedState(module.trainer),
+        }
+
+    def adopt(self, incoming: Incoming) -> None:
+        """Before ``setup``: take ``incoming`` (a peer's state or a snapshot) as Lightning restores: the trainer
+        part as a checkpoint ``fit`` restores, the model and the optimizers as Lightning loads them."""
+        self._incoming = incoming
+        self.training_state()[TRAINER].load_state_dict(incoming.trainer)
 
     # -- snapshots (taken and resumed by TorchPassCallback) ---------------------------------------------
     def snapshot_writers(self) -> list[int]:
@@ -303,19 +298,12 @@ class TorchPassDDPStrategy(ParallelStrategy):
         return [0]
 
     def snapshot_state(self) -> tuple[dict[str, Any], set[int]]:
-        """At a step boundary: the snapshot's parts (:mod:`.snapshot_parts`), and the ``data_ptr`` of the
-        tensors that stay unchanged until the optimizer step (copied in the background meanwhile)."""
-        checkpoint = self.adapter.boundary_state(self.runtime.boundary_record)
-        boundary_buffers = {name: checkpoint["state_dict"][name] for name, _ in self.lightning_module.named_buffers()
-                            if name in checkpoint["state_dict"]}
-        rest = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
-        return capture(self.lightning_module, self.optimizers, self.global_rank, rest, model=boundary_buffers)
-
-    def load_snapshot(self, resumed: ResumedSnapshot) -> None:
-        """Before ``setup``: Lightning's restore path loads the snapshot as from a checkpoint file; the model
-        and the optimizers are read into this job's layout as it restores them."""
-        self._resumed = resumed
-        self.adapter.load_state({**resumed.trainer, "state_dict": {}, "optimizer_states": []})
+        """At a step boundary: the snapshot's values (:func:`.state_parts.snapshot_values`; under DDP without
+        the own part: rank 0 writes alone), and the ``data_ptr`` of the tensors that stay unchanged until
+        the optimizer step (copied in the background meanwhile)."""
+        parts = self.training_state()
+        del parts[OWN]
+        return snapshot_values(parts, self.global_rank), stable_pointers(self.lightning_module, self.optimizers)
 
     # -- data -----------------------------------------------------------------------------------------
     @override

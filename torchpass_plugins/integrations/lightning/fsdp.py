@@ -32,6 +32,13 @@ from torchpass_plugins.core import default_group
 from torchpass_plugins.core.default_group import PoisoningGroup
 from torchpass_plugins.core.process_group import PeerFailure, ReconfigurableGroup
 from torchpass_plugins.core.ring_replication import RingReplicator
+from torchpass_plugins.core.training_state import (
+    OWN,
+    TRAINER,
+    Stateful,
+    capture,
+    local_parts,
+)
 from torchpass_plugins.errors import ConfigError
 from torchpass_plugins.integrations.lightning.ddp import TorchPassDDPStrategy
 from torchpass_plugins.integrations.lightning.fsdp_collectives import PoisonedCollectives, WrapPolicy, shard_children
@@ -42,7 +49,7 @@ from torchpass_plugins.integrations.lightning.fsdp_state import (
     load_sharded_checkpoint,
     save_sharded_checkpoint,
 )
-from torchpass_plugins.integrations.lightning.snapshot_parts import ResumedSnapshot
+from torchpass_plugins.integrations.lightning.state_parts import Incoming
 from torchpass_plugins.integrations.lightning.step_replay import ReplayFetcher, StepFailed
 from torchpass_plugins.testing import faults
 
@@ -131,7 +138,7 @@ class TorchPassFSDPStrategy(PoisonedCollectives, TorchPassDDPStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             self.model = apply_layer_sync(self, self.model)
         self.model_to_device()
-        if not self.runtime.is_spare and self.sharded.incoming is None:
+        if not self.runtime.is_spare and self._incoming is None:
             self._broadcast_parameters()
         mesh = DeviceMesh.from_group(dist.group.WORLD, self.root_device.type)
         shard_children(self.lightning_module, self._policy, {"mesh": mesh, **self._shard_kwargs})
@@ -148,14 +155,6 @@ class TorchPassFSDPStrategy(PoisonedCollectives, TorchPassDDPStrategy):
                     dist.broadcast(tensor, 0)
 
     # -- what Lightning saves and restores ----------------------------------------------------------------
-    @override
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        return {} if self.sharded.handing_over else super().lightning_module_state_dict()
-
-    @override
-    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        return {} if self.sharded.handing_over else super().optimizer_state(optimizer)
-
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
         """A directory: every rank writes its shards through torch DCP, rank 0 the rest of the checkpoint."""
@@ -175,19 +174,24 @@ class TorchPassFSDPStrategy(PoisonedCollectives, TorchPassDDPStrategy):
 
     @override
     def load_model_state_dict(self, checkpoint: dict[str, Any], strict: bool = True) -> None:
-        if self._loaded_sharded:
-            return  # load_checkpoint has put the shards in place
-        if self.sharded.incoming is None:
-            return super().load_model_state_dict(checkpoint, strict)
-        self.sharded.restore_incoming_parameters()
+        if not self._loaded_sharded:  # else load_checkpoint has put the shards in place
+            super().load_model_state_dict(checkpoint, strict)
 
     @override
     def load_optimizer_state_dict(self, checkpoint: dict[str, Any]) -> None:
-        if self._loaded_sharded:
-            return
-        if self.sharded.incoming is None:
-            return super().load_optimizer_state_dict(checkpoint)
-        self.sharded.restore_incoming_optimizer(checkpoint["optimizer_states"])
+        if not self._loaded_sharded:
+            super().load_optimizer_state_dict(checkpoint)
+
+    @override
+    def training_state(self, complete: bool = True, step: Optional[int] = None) -> dict[str, Stateful]:
+        return self.sharded.parts(complete, self.runtime.last_boundary if step is None else step)
+
+    @override
+    def adopt(self, incoming: Incoming) -> None:
+        """Also this rank's own state, adopted at the first boundary (none from a snapshot of a job that did
+        not have this rank: its buffers are then rank 0's and its logged values start over)."""
+        super().adopt(incoming)
+        self.sharded.entering_own = incoming.own
 
     # -- the training step ------------------------------------------------------------------------------
     @override
@@ -221,7 +225,7 @@ class TorchPassFSDPStrategy(PoisonedCollectives, TorchPassDDPStrategy):
         self.relay.after_step = None
         self.runtime.boundary(step)
         self.sharded.adopt_entering_own()
-        self.sharded.own[step] = self.sharded.own_state()
+        self.sharded.own[step] = self.sharded.state_dict()
         self._raise_if_failed()
         self._exchange_signals(step)
         if self.runtime.drain_due(step) is not None:
@@ -261,7 +265,8 @@ class TorchPassFSDPStrategy(PoisonedCollectives, TorchPassDDPStrategy):
         if not (force or self.replicator.due(step)):
             return
         try:
-            shard = {**self.sharded.capture_shard(), "own": self.sharded.own[step]}
+            shard = local_parts(capture(self.training_state(complete=False), leave_out=(TRAINER, OWN)))
+            shard[OWN] = self.sharded.own[step]
             self.replicator.start_round(step, shard, self.sharded.host_now())
             if wait:
                 self.replicator.fence()
@@ -300,7 +305,7 @@ class TorchPassFSDPStrategy(PoisonedCollectives, TorchPassDDPStrategy):
         while True:
             if self._failure() is None:
                 self.runtime.boundary(step)
-                self.sharded.own[step] = self.sharded.own_state()
+                self.sharded.own[step] = self.sharded.state_dict()
                 self._replicate(step, wait=True)
                 self.barrier("torchpass.fit_end")
             failure = self._failure()
@@ -335,14 +340,8 @@ class TorchPassFSDPStrategy(PoisonedCollectives, TorchPassDDPStrategy):
 
     @override
     def snapshot_state(self) -> tuple[dict[str, Any], set[int]]:
+        """Every rank writes its shards and its own state as of the boundary (nothing filtered)."""
         return self.sharded.snapshot(self.lightning_module.trainer.global_step)
-
-    @override
-    def load_snapshot(self, resumed: ResumedSnapshot) -> None:
-        """Also adopt this rank's own state at the first boundary (none where the writing job had fewer
-        ranks: that rank's buffers are then rank 0's and its logged values start over)."""
-        super().load_snapshot(resumed)
-        self.sharded.entering_own = resumed.own
 
     # -- recovery -----------------------------------------------------------------------------------------
     def _recover(self, cause: str) -> int:

@@ -22,7 +22,7 @@ from typing_extensions import override
 from torchpass_plugins.core.interfaces import Phase
 from torchpass_plugins.core.process_group import PeerFailure
 from torchpass_plugins.errors import ConfigError
-from torchpass_plugins.integrations.lightning.ddp import _REDUCE_OPS
+from torchpass_plugins.integrations.lightning.ddp_collectives import _REDUCE_OPS
 
 WrapPolicy = Union[set[type[nn.Module]], int, None]
 

@@ -13,12 +13,11 @@ from typing import TYPE_CHECKING, Any
 from torch import Tensor
 
 from torchpass_plugins._compat.lightning import rewind_loops
-from torchpass_plugins.core import shard_state
 from torchpass_plugins.core.interfaces import Phase
 from torchpass_plugins.core.process_group import PeerFailure
 from torchpass_plugins.core.sharded_recovery import ShardAgreement, ShardRow
 from torchpass_plugins.core.state_transfer import recv_state, send_packed, send_state, unpack
-from torchpass_plugins.integrations.lightning.fsdp_state import set_hyperparameters
+from torchpass_plugins.core.training_state import MODEL, OPTIMIZER, TRAINER
 from torchpass_plugins.testing import faults
 
 if TYPE_CHECKING:
@@ -30,6 +29,7 @@ class ShardedPlan:
 
     def __init__(self, strategy: TorchPassFSDPStrategy) -> None:
         self.strategy = strategy
+        self.shard: dict[str, Any] = {}  # a spare's: the lost shard, from the ring successor
 
     def prepare(self) -> None:
         try:
@@ -65,19 +65,18 @@ class ShardedPlan:
             elif rt.rank == lost:
                 faults.point("promoted")
                 t0 = time.perf_counter()
-                s.sharded.incoming, nbytes = recv_state(rt.transport, source)
-                s.sharded.entering_own = s.sharded.incoming.pop("own")
+                self.shard, nbytes = recv_state(rt.transport, source)
                 rt.events.emit("state_received", rank=rt.rank, src=source, kind="shard", bytes=nbytes,
                                seconds=time.perf_counter() - t0)
         for lost in sorted(a.sources):
             if rt.rank == a.donor:
                 faults.point("donor")
-                nbytes = send_state(rt.transport, s.sharded.host_checkpoint(step), lost)
+                nbytes = send_state(rt.transport, s.training_state(step=step)[TRAINER].state_dict(), lost)
                 rt.events.emit("state_sent", rank=rt.rank, to=lost, kind="host", bytes=nbytes)
             elif rt.rank == lost:
-                host, nbytes = recv_state(rt.transport, a.donor)
+                trainer, nbytes = recv_state(rt.transport, a.donor)
                 rt.events.emit("state_received", rank=rt.rank, src=a.donor, kind="host", bytes=nbytes)
-                s.adapter.load_state(host)
+                s.adapter.load_state({**self.shard, TRAINER: trainer})
 
     def finish(self, a: ShardAgreement) -> tuple[int, dict[str, Any]]:
         s, rt = self.strategy, self.strategy.runtime
@@ -99,13 +98,13 @@ class ShardedPlan:
             for hook in s.runtime.rollback_hooks:
                 hook()
             packed = s.replicator.own[step]
-            shard_state.restore(s.lightning_module, s.optimizers[0], unpack(packed.meta, packed.payload))
+            shard, parts = unpack(packed.meta, packed.payload), s.training_state(complete=False)
+            parts[MODEL].load_state_dict(shard[MODEL])
+            parts[OPTIMIZER].load_state_dict(shard[OPTIMIZER])
             for config, state in zip(trainer.lr_scheduler_configs, host["schedulers"], strict=True):
                 config.scheduler.load_state_dict(state)
-            for optimizer, groups in zip(s.optimizers, host["param_groups"], strict=True):
-                set_hyperparameters(optimizer, groups)
         rewind_loops(trainer.fit_loop, host["loops"])
-        s.sharded.load_own(s.sharded.own[step])  # also undoes what a retried step's forward did to them
+        s.sharded.load_state_dict(s.sharded.own[step])  # also undoes what a retried step's forward did to them
         if s.fetcher is not None:
             s.fetcher.rewind(step)
         for optimizer in s.optimizers:
