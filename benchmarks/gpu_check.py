@@ -42,6 +42,7 @@ from torchpass_plugins.testing.chaos.oracle import differences
 DOC = REPO / "docs" / "gpu.md"
 WORK = REPO / "benchmarks" / "out" / "gpu_check"
 STEPS = 16
+ON_CPU_STEPS = 10
 GPU = ["--accelerator", "gpu", "--deterministic", "--devices", "1", "--max-steps", str(STEPS), "--workers", "0"]
 NCCL = ["--process-group-backend", "nccl"]
 
@@ -98,7 +99,8 @@ def nvml_readings() -> list[str]:
 
 
 def snapshot_stall() -> list[str]:
-    args = (*GPU, "--num-nodes", "1", "--hidden", "2048", "--max-steps", "24")
+    hidden, steps = ("512", "12") if GPU[1] == "cpu" else ("2048", "24")  # on CPU: checking the script only
+    args = (*GPU, "--num-nodes", "1", "--hidden", hidden, "--max-steps", steps)
     job = _job("d-snapshots", 1, 0, (*args, "--snapshot-every", "4", "--snapshot-dir", str(WORK / "d-snapshots")))
     stalls = [e["stall_s"] for e in job.events("snapshot_staged")][1:]  # the first one allocates its staging
     writes = [e["seconds"] for e in job.events("snapshot_written")][1:]
@@ -129,8 +131,11 @@ def main(argv: list[str] | None = None) -> int:
                         "written to benchmarks/out/gpu-check-on-cpu.md (no GPU figures)")
     ns = p.parse_args(argv)
     doc = ns.doc
-    if ns.on_cpu:
+    if ns.on_cpu:  # the script's parts on CPU tensors, in fewer steps (the faults strike at step 7)
+        global STEPS
+        STEPS = gpu_nccl.STEPS = ON_CPU_STEPS
         GPU[GPU.index("gpu")] = "cpu"
+        GPU[GPU.index("--max-steps") + 1] = str(STEPS)
         NCCL[1] = "gloo"
         doc = REPO / "benchmarks" / "out" / "gpu-check-on-cpu.md"
     elif not torch.cuda.is_available():

@@ -234,6 +234,11 @@ def dump_checkpoint(trainer: Any) -> dict[str, Any]:
     return trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
 
 
+def precision_checkpoint_key(trainer: Any) -> str:
+    """Where Lightning's checkpoint holds the precision plugin's state (the gradient scaler's)."""
+    return type(trainer.precision_plugin).__qualname__
+
+
 def restore_at_fit_start(trainer: Any, checkpoint: dict[str, Any]) -> None:
     """Have ``fit`` restore ``checkpoint`` as if it had been read from ``ckpt_path`` (model, optimizers,
     loops, callbacks: Lightning's own restore path, in memory)."""

@@ -101,8 +101,7 @@ class ShardedPlan:
             shard, parts = unpack(packed.meta, packed.payload), s.training_state(complete=False)
             parts[MODEL].load_state_dict(shard[MODEL])
             parts[OPTIMIZER].load_state_dict(shard[OPTIMIZER])
-            for config, state in zip(trainer.lr_scheduler_configs, host["schedulers"], strict=True):
-                config.scheduler.load_state_dict(state)
+            s.sharded.restore_host(host)
         rewind_loops(trainer.fit_loop, host["loops"])
         s.sharded.load_state_dict(s.sharded.own[step])  # also undoes what a retried step's forward did to them
         if s.fetcher is not None:

@@ -110,10 +110,28 @@ class ShardedState:
                 named[name].copy_(value)
 
     def host_now(self) -> dict:
-        """Loop progress (this boundary's snapshot) and scheduler state: restored with the shards."""
+        """What every rank holds alike and each step changes besides the shards, as of this boundary: loop
+        progress, schedulers, the precision plugin's state (the gradient scaler's), the callbacks' states.
+        Restored with the shards, so that a step run again leaves no trace of its first run."""
         s = self.strategy
-        schedulers = [c.scheduler.state_dict() for c in s.lightning_module.trainer.lr_scheduler_configs]
-        return copy.deepcopy({"loops": s.runtime.boundary_record, "schedulers": schedulers})
+        trainer = s.lightning_module.trainer
+        return copy.deepcopy({
+            "loops": s.runtime.boundary_record,
+            "schedulers": [c.scheduler.state_dict() for c in trainer.lr_scheduler_configs],
+            "precision": trainer.precision_plugin.state_dict(),
+            "callbacks": {c.state_key: c.state_dict() for c in trainer.callbacks},
+        })
+
+    def restore_host(self, host: dict) -> None:
+        """A survivor rolling back: schedulers, precision and callbacks as of :meth:`host_now` (the loops are
+        rewound apart)."""
+        trainer = self.strategy.lightning_module.trainer
+        for config, state in zip(trainer.lr_scheduler_configs, host["schedulers"], strict=True):
+            config.scheduler.load_state_dict(state)
+        trainer.precision_plugin.load_state_dict(copy.deepcopy(host["precision"]))
+        for callback in trainer.callbacks:
+            if host["callbacks"].get(callback.state_key):
+                callback.load_state_dict(copy.deepcopy(host["callbacks"][callback.state_key]))
 
     def host_at(self, step: int) -> dict:
         if step in self.strategy.replicator.own:
