@@ -295,7 +295,8 @@ def policies(sc: Scenario, m: Measured, a: Assumed) -> list[Policy]:
     scale = state / m.snapshot_bytes  # each rank writes its own state, in parallel, at the rate measured here
     restart = a.restart_min * 60 + m.cr_restart_s
     c_cr = m.sync_stall_s * scale
-    c_tp = (m.tp_stall_s + DIP_STEPS * (m.dip - 1) * m.step_ms / 1e3) * scale
+    # A dip under 1 (steps after a snapshot measured faster than without) is noise: no negative cost.
+    c_tp = (m.tp_stall_s + DIP_STEPS * max(0.0, m.dip - 1) * m.step_ms / 1e3) * scale
     write = m.tp_write_s * scale
     transfer = state / (m.transfer_gbps * 1e9)
     swap = a.detect_s + a.rebuild_s + m.tp_regain_s + transfer + a.step_s
