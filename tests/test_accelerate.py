@@ -19,6 +19,8 @@ from torchpass_plugins.errors import ConfigError
 from torchpass_plugins.integrations.accelerate.loop import TorchPass, UnprotectedRunWarning, check_layout, check_loader
 from torchpass_plugins.testing.chaos.oracle import differences
 
+pytestmark = pytest.mark.xdist_group("accelerate")  # one worker: the module's failure-free references are made once
+
 EXAMPLE = REPO / "examples" / "accelerate" / "train.py"
 STEPS = 16  # 2 passes over 768 samples, 3 ranks x 16 per batch, 2 micro-batches per step
 

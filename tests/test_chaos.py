@@ -16,6 +16,8 @@ from torchpass_plugins.testing.chaos import matrix
 from torchpass_plugins.testing.chaos.scenario import STEPS, draw
 from torchpass_plugins.testing.faults import ACTIONS, PHASES, Fault
 
+pytestmark = pytest.mark.xdist_group("chaos")  # one worker: the module's failure-free references are made once
+
 
 def test_a_fault_prints_as_it_parses_and_a_bad_one_says_how_to_write_it():
     for text in ("kill@rank=1,step=5,phase=reduce", "spin@phase=donor", "slow@rank=2,step=3,phase=data,seconds=0.3"):

@@ -4,6 +4,7 @@ torchpass reaches into no process-wide hook: it registers its strategy names thr
 
 from __future__ import annotations
 
+import copy
 import subprocess
 import sys
 from datetime import timedelta
@@ -24,6 +25,7 @@ from torchpass_plugins._compat.lightning import (
     load_rank_local_state,
     optimizers_to_device,
     rank_local_state,
+    reopen_epoch_cut_by_fit_end,
     replays_a_batch_end,
     restore_at_fit_start,
     restoring_a_checkpoint,
@@ -101,6 +103,20 @@ def test_lightnings_checkpoint_routes_dump_and_restore_in_memory():
     assert fresh.global_step == 3
     restored, original = model.state_dict(), done.lightning_module.state_dict()
     assert all(torch.equal(restored[k], original[k]) for k in original)
+
+
+def test_a_checkpoint_of_a_fit_stopped_mid_epoch_resumes_inside_that_epoch():
+    # 16 batches per epoch: stopped by max_steps after 5, Lightning counts epoch 0 as finished.
+    stopped = dump_checkpoint(_fit(5))
+    assert stopped["epoch"] == 1 and stopped["loops"]["fit_loop"]["epoch_progress"]["current"]["completed"] == 1
+    reopen_epoch_cut_by_fit_end(stopped)
+    progress = stopped["loops"]["fit_loop"]["epoch_progress"]
+    assert stopped["epoch"] == 0 and progress["current"] == progress["total"] == {
+        "ready": 1, "started": 1, "processed": 0, "completed": 0}
+    whole_epoch = dump_checkpoint(_fit(16))  # stopped after the epoch's last batch: the next epoch is due
+    unchanged = copy.deepcopy(whole_epoch)
+    reopen_epoch_cut_by_fit_end(whole_epoch)
+    assert not differences(unchanged["loops"], whole_epoch["loops"]) and whole_epoch["epoch"] == 1
 
 
 def test_the_fit_loops_progress_rewinds_to_an_earlier_snapshot():

@@ -24,7 +24,7 @@ FSDP_BF16 = ("--strategy", "torchpass_fsdp", "--precision", "bf16-mixed", "--sta
 # SyncBatchNorm in 16-mixed, with a GradScaler (on CPU too)
 DDP_SYNC_BN = ("--strategy", "torchpass_ddp", "--sync-batchnorm", "--precision", "16-mixed")
 FSDP_SYNC_BN = ("--strategy", "torchpass_fsdp", "--sync-batchnorm", "--precision", "16-mixed")
-pytestmark = pytest.mark.timeout(400)
+pytestmark = [pytest.mark.timeout(400), pytest.mark.xdist_group("features")]  # one worker: shared references
 
 
 @pytest.fixture(scope="module")

@@ -90,12 +90,14 @@ def test_a_model_state_of_another_model_is_refused_by_name():
 def test_the_loading_template_has_the_stored_entries_only():
     model = _model()
     optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
-    stored = {"0.weight.step": (torch.Size([]), torch.float32), "0.weight.exp_avg": (torch.Size([8, 4]), torch.float32),
-              "gone.weight.step": (torch.Size([]), torch.float32)}
+    stored = {"state.0.weight.step": (torch.Size([]), torch.float32),
+              "state.0.weight.exp_avg": (torch.Size([8, 4]), torch.float32),
+              "state.gone.weight.step": (torch.Size([]), torch.float32),
+              "param_groups.0.lr": None, "param_groups.0.params": None}
     template = OptimizerState(model, [optimizer]).loading_template(stored)
     assert list(template["state"]) == ["0.weight"]
     assert template["state"]["0.weight"]["exp_avg"].shape == (8, 4)
-    assert len(template["param_groups"]) == 1
+    assert template["param_groups"] == [{"lr": 0.01, "params": [n for n, _ in model.named_parameters()]}]
 
 
 def test_a_snapshot_resumes_an_optimizer_whose_parameters_had_not_all_stepped(tmp_path):

@@ -135,6 +135,24 @@ def drop_loader_positions(fit_loop_state: dict[str, Any]) -> None:
     fit_loop_state.get("state_dict", {}).pop("combined_loader", None)
 
 
+def reopen_epoch_cut_by_fit_end(checkpoint: dict[str, Any]) -> None:
+    """A checkpoint saved after ``fit`` stopped in the middle of an epoch (``max_steps``) counts that epoch as
+    finished, though batches of it are left: resumed as Lightning reads it, the run would go on with the
+    next epoch's data where an uninterrupted run goes on with this epoch's. Count it as in progress again,
+    as a checkpoint saved during the epoch does (so training continued from it is the uninterrupted run's)."""
+    fit = checkpoint.get("loops", {}).get("fit_loop")
+    if fit is None:
+        return
+    batches, epochs = fit["epoch_loop.batch_progress"], fit["epoch_progress"]
+    mid_epoch = batches["current"]["ready"] > 0 and not batches["is_last_batch"]
+    if mid_epoch and epochs["current"]["processed"] == epochs["current"]["started"] > 0:
+        for counters in (epochs["current"], epochs["total"]):
+            counters["processed"] -= 1
+            counters["completed"] = min(counters["completed"], counters["processed"])
+        if "epoch" in checkpoint:
+            checkpoint["epoch"] -= 1
+
+
 def users_sampler(sampler: Any) -> Any:
     """The user's own sampler inside Lightning's ``DistributedSamplerWrapper`` (which keeps it in its
     dataset's ``_sampler``), else ``None``."""

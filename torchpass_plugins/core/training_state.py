@@ -148,26 +148,38 @@ class OptimizerState:
                             slot[key] = _as_held(p, key, value, group)
 
     def loading_template(self, stored: Mapping[str, tuple[torch.Size, torch.dtype] | None]) -> dict[str, Any]:
-        """Where to load a stored state into (DCP loads in place, in this job's layout): ``stored`` maps each
-        stored state entry ``"{parameter}.{key}"`` to its tensor's size and dtype (None: not a tensor)."""
+        """Where to load a stored optimizer part into (DCP loads in place, in this job's layout): ``stored``
+        maps each of its entries (``"state.{parameter}.{key}"``, ``"param_groups.{i}.{key}"``) to a tensor's
+        size and dtype, or None for another value. Only what is stored is loaded: a parameter without
+        stored state gets none, a hyperparameter the checkpoint lacks keeps its value here (a scheduler's)."""
         state: dict[str, dict[str, Any]] = {}
+        live = self.state_dict()["param_groups"]
+        groups: dict[int, dict[str, Any]] = {}
         for entry, described in stored.items():
-            name, _, key = entry.rpartition(".")
+            kind, _, rest = entry.partition(".")
+            if kind == "param_groups":
+                index, _, key = rest.partition(".")
+                like = live[int(index)].get(key) if int(index) < len(live) else None
+                groups.setdefault(int(index), {})[key] = _blank(described, like)
+                continue
+            name, _, key = rest.rpartition(".")
             p = self.params.get(name)
-            if p is None or name in self.skip:
-                continue
-            if described is None:
-                state.setdefault(name, {})[key] = None
-                continue
-            size, dtype = described
-            if isinstance(p, DTensor) and tuple(size) == tuple(p.shape):
-                local = torch.zeros(local_part(p).shape, dtype=dtype, device=local_part(p).device)
-                value = DTensor.from_local(local, p.device_mesh, p.placements, run_check=False,
-                                           shape=p.shape, stride=p.stride())
-            else:
-                value = torch.zeros(size, dtype=dtype)
-            state.setdefault(name, {})[key] = value
-        return {"state": state, "param_groups": self.state_dict()["param_groups"]}
+            if kind == "state" and p is not None and name not in self.skip:
+                state.setdefault(name, {})[key] = _blank(described, p)
+        return {"state": state, "param_groups": [groups[i] for i in sorted(groups)]}
+
+
+def _blank(described: tuple[torch.Size, torch.dtype] | None, like: Any) -> Any:
+    """A value to load a stored entry into: a tensor of its size and dtype (sharded like ``like``, a
+    parameter, where it has that parameter's shape), else ``like`` (DCP replaces it)."""
+    if described is None:
+        return like
+    size, dtype = described
+    if isinstance(like, DTensor) and tuple(size) == tuple(like.shape):
+        local = torch.zeros(local_part(like).shape, dtype=dtype, device=local_part(like).device)
+        return DTensor.from_local(local, like.device_mesh, like.placements, run_check=False,
+                                  shape=like.shape, stride=like.stride())
+    return torch.zeros(size, dtype=dtype)
 
 
 def _as_held(p: torch.Tensor, key: str, value: Any, group: Mapping[str, Any]) -> Any:

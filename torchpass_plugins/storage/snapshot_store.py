@@ -28,7 +28,7 @@ import fsspec
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 from torch.distributed.tensor import DTensor
 
 from torchpass_plugins._compat.torch_distributed import fsspec_reader, fsspec_writer
@@ -94,6 +94,13 @@ class _WeightsOnly(dcp.DefaultLoadPlanner):
 
     def load_bytes(self, read_item, value) -> None:
         self.state_dict[read_item.dest_index.fqn] = torch.load(value, weights_only=True)
+
+
+def stored_entries(metadata: Metadata, prefix: str) -> dict[str, tuple[torch.Size, torch.dtype] | None]:
+    """The entries of a DCP checkpoint (its ``metadata``) under ``prefix``, by the rest of their name: a
+    tensor's size and dtype, None for another value."""
+    return {name[len(prefix):]: (entry.size, entry.properties.dtype) if isinstance(entry, TensorStorageMetadata)
+            else None for name, entry in metadata.state_dict_metadata.items() if name.startswith(prefix)}
 
 
 def _put(tree: Any, path: tuple, value: Any) -> None:
@@ -314,9 +321,7 @@ class SnapshotStore:
             metadata = fsspec_reader(where, self.storage_options).read_metadata()
         except Exception as exc:  # whatever unpickling a damaged file raises
             raise SnapshotCorrupted(f"{where}/.metadata cannot be read: {type(exc).__name__}: {exc}") from exc
-        return {name[len(prefix):]: (entry.size, entry.properties.dtype)
-                if isinstance(entry, TensorStorageMetadata) else None
-                for name, entry in metadata.state_dict_metadata.items() if name.startswith(prefix)}
+        return stored_entries(metadata, prefix)
 
     def load_newest(self, rank: int = 0, world_size: int = 1, steps: list[int] | None = None,
                     agree: Callable[[bool], bool] = bool) -> tuple[Manifest, list[str]] | None:

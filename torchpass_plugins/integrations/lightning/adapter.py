@@ -15,6 +15,7 @@ from torchpass_plugins._compat.lightning import (
     continue_from_boundary,
     dataloader_with_sampler,
     drop_loader_positions,
+    reopen_epoch_cut_by_fit_end,
     replays_a_batch_end,
     restore_at_fit_start,
     users_sampler,
@@ -112,6 +113,7 @@ class LightningAdapter:
     def resume_data_from(self, checkpoint: dict) -> None:
         """The train loader will start where ``checkpoint``'s loop progress says (Lightning itself restarts
         a map-style loader's epoch from its first batch)."""
+        reopen_epoch_cut_by_fit_end(checkpoint)
         fit = checkpoint.get("loops", {}).get("fit_loop")
         if fit is None:
             return

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from datetime import timedelta
-from pathlib import Path
 from typing import Any, Optional, Union
 
 import torch
@@ -41,14 +40,10 @@ from torchpass_plugins.core.training_state import (
 )
 from torchpass_plugins.errors import ConfigError
 from torchpass_plugins.integrations.lightning.ddp import TorchPassDDPStrategy
+from torchpass_plugins.integrations.lightning.fsdp_checkpoint import ShardedCheckpoints
 from torchpass_plugins.integrations.lightning.fsdp_collectives import PoisonedCollectives, WrapPolicy, shard_children
 from torchpass_plugins.integrations.lightning.fsdp_recovery import ShardedPlan
-from torchpass_plugins.integrations.lightning.fsdp_state import (
-    CHECKPOINT_META,
-    ShardedState,
-    load_sharded_checkpoint,
-    save_sharded_checkpoint,
-)
+from torchpass_plugins.integrations.lightning.fsdp_state import ShardedState
 from torchpass_plugins.integrations.lightning.state_parts import Incoming
 from torchpass_plugins.integrations.lightning.step_replay import ReplayFetcher, StepFailed
 from torchpass_plugins.testing import faults
@@ -56,7 +51,7 @@ from torchpass_plugins.testing import faults
 StateFilter = Callable[[str, nn.Parameter], bool]
 
 
-class TorchPassFSDPStrategy(PoisonedCollectives, TorchPassDDPStrategy):
+class TorchPassFSDPStrategy(ShardedCheckpoints, PoisonedCollectives, TorchPassDDPStrategy):
     """Fully sharded data parallel with hot spares. Use ``strategy="torchpass_fsdp"`` under ``torchpass launch``.
 
     Args:
@@ -109,7 +104,6 @@ class TorchPassFSDPStrategy(PoisonedCollectives, TorchPassDDPStrategy):
         self.fetcher: ReplayFetcher | None = None
         self._rewound = False  # this batch's step was discarded by a recovery: it has no end
         self._fenced = True  # this step's replication round is complete (or none was started)
-        self._loaded_sharded = False  # a DCP checkpoint was loaded into the shards
 
     @property
     @override
@@ -154,34 +148,7 @@ class TorchPassFSDPStrategy(PoisonedCollectives, TorchPassDDPStrategy):
                 if isinstance(tensor, Tensor):
                     dist.broadcast(tensor, 0)
 
-    # -- what Lightning saves and restores ----------------------------------------------------------------
-    @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
-        """A directory: every rank writes its shards through torch DCP, rank 0 the rest of the checkpoint."""
-        if storage_options is not None:
-            raise TypeError("torchpass_fsdp writes sharded checkpoints with torch DCP: storage_options are unused")
-        save_sharded_checkpoint(self, checkpoint, Path(filepath))
-
-    @override
-    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
-        path = Path(checkpoint_path)
-        if not (path / CHECKPOINT_META).is_file():
-            return super().load_checkpoint(checkpoint_path, weights_only)  # a single file, as Lightning writes
-        checkpoint = load_sharded_checkpoint(self, path)
-        self._loaded_sharded = True
-        self.adapter.resume_data_from(checkpoint)
-        return checkpoint
-
-    @override
-    def load_model_state_dict(self, checkpoint: dict[str, Any], strict: bool = True) -> None:
-        if not self._loaded_sharded:  # else load_checkpoint has put the shards in place
-            super().load_model_state_dict(checkpoint, strict)
-
-    @override
-    def load_optimizer_state_dict(self, checkpoint: dict[str, Any]) -> None:
-        if not self._loaded_sharded:
-            super().load_optimizer_state_dict(checkpoint)
-
+    # -- the training state ------------------------------------------------------------------------------
     @override
     def training_state(self, complete: bool = True, step: Optional[int] = None) -> dict[str, Stateful]:
         return self.sharded.parts(complete, self.runtime.last_boundary if step is None else step)

@@ -10,13 +10,10 @@ receives all three; a survivor that rolls back restores them in memory.
 from __future__ import annotations
 
 import copy
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed.checkpoint as dcp
 from torch import Tensor, nn
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from torchpass_plugins._compat.lightning import load_rank_local_state, rank_local_state
 from torchpass_plugins.core.training_state import (
@@ -35,8 +32,6 @@ from torchpass_plugins.integrations.lightning.state_parts import TrainerState, s
 if TYPE_CHECKING:
     from torchpass_plugins.integrations.lightning.fsdp import TorchPassFSDPStrategy
 
-CHECKPOINT_META = "lightning.pt"  # beside the DCP shards: everything but model and optimizer tensors
-RANK_BUFFERS = "buffers_rank{rank}.pt"  # beside them too: each rank's own module buffers
 
 
 def trainable_only(name: str, param: nn.Parameter) -> bool:
@@ -137,28 +132,3 @@ class ShardedState:
         if step in self.strategy.replicator.own:
             return self.strategy.replicator.own[step].host
         return self.host_now()  # the live boundary (no rank was lost, so no replica was needed)
-
-
-def save_sharded_checkpoint(strategy: TorchPassFSDPStrategy, checkpoint: dict[str, Any], path: Path) -> None:
-    """A directory: every rank writes its shards through torch DCP, rank 0 the rest of the checkpoint."""
-    model, optimizers = get_state_dict(strategy.lightning_module, strategy.optimizers)
-    dcp.save({"model": model, "optimizers": optimizers}, checkpoint_id=path)
-    # DCP keeps one copy of a tensor that is not sharded, and buffers differ between ranks (BatchNorm
-    # statistics): each rank writes its own beside the shards.
-    torch.save(strategy.sharded.buffers(), path / RANK_BUFFERS.format(rank=strategy.global_rank))
-    if strategy.is_global_zero:
-        rest = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
-        torch.save(rest, path / CHECKPOINT_META)
-
-
-def load_sharded_checkpoint(strategy: TorchPassFSDPStrategy, path: Path) -> dict[str, Any]:
-    """Load a directory written by :func:`save_sharded_checkpoint` into the shards; returns the rest."""
-    model, optimizers = get_state_dict(strategy.lightning_module, strategy.optimizers)
-    dcp.load({"model": model, "optimizers": optimizers}, checkpoint_id=path)
-    set_state_dict(strategy.lightning_module, strategy.optimizers, model_state_dict=model, optim_state_dict=optimizers)
-    own = path / RANK_BUFFERS.format(rank=strategy.global_rank)
-    if own.is_file():
-        strategy.sharded.load_buffers(torch.load(own, weights_only=True))
-    checkpoint = torch.load(path / CHECKPOINT_META, weights_only=False)
-    checkpoint.update(state_dict={}, optimizer_states=[])
-    return checkpoint

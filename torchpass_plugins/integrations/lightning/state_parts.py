@@ -148,6 +148,6 @@ class ResumedSnapshot(Incoming):
     def load_optimizers(self, parts: dict[str, Stateful]) -> None:
         if OPTIMIZER not in parts:
             return
-        into = {OPTIMIZER: parts[OPTIMIZER].loading_template(self.store.stored(self.manifest, "optim.state."))}
+        into = {OPTIMIZER: parts[OPTIMIZER].loading_template(self.store.stored(self.manifest, "optim."))}
         self.store.read(self.manifest, into)
         parts[OPTIMIZER].load_state_dict(into[OPTIMIZER])
