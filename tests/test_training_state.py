@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
@@ -17,6 +18,7 @@ from torchpass_plugins.core.training_state import (
     OptimizerState,
     capture,
 )
+from torchpass_plugins.errors import ConfigError
 from torchpass_plugins.integrations.lightning.state_parts import ResumedSnapshot, snapshot_values
 from torchpass_plugins.storage.snapshot_store import SnapshotStore
 
@@ -127,3 +129,33 @@ def test_a_snapshot_resumes_an_optimizer_whose_parameters_had_not_all_stepped(tm
     _train(fresh, fresh_optimizer, 2, seed=3)
     for (name, a), b in zip(model.state_dict().items(), fresh.state_dict().values(), strict=True):
         assert torch.equal(a, b), name
+
+
+class _WithExtraState(torch.nn.Linear):
+    def __init__(self) -> None:
+        super().__init__(2, 2)
+        self.calls = 0
+
+    def get_extra_state(self) -> dict:
+        return {"calls": self.calls}
+
+    def set_extra_state(self, state: dict) -> None:
+        self.calls = state["calls"]
+
+
+def test_a_modules_extra_state_and_an_optimizers_own_dtype_move_as_they_are():
+    source, target = _WithExtraState(), _WithExtraState()
+    source.calls = 5
+    ModelState(target).load_state_dict(copy.deepcopy(ModelState(source).state_dict()))
+    assert target.calls == 5 and torch.equal(target.weight, source.weight)
+    # An optimizer that keeps its state in another dtype than the parameter's: the state keeps its dtype.
+    optimizer, other = (torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (source, target))
+    optimizer.state[source.weight]["momentum_buffer"] = torch.ones(2, 2, dtype=torch.float64)
+    OptimizerState(target, [other]).load_state_dict(OptimizerState(source, [optimizer]).state_dict())
+    assert other.state[target.weight]["momentum_buffer"].dtype == torch.float64
+
+
+def test_an_optimizer_of_parameters_outside_the_module_is_refused_by_name():
+    stray = torch.nn.Parameter(torch.zeros(2))
+    with pytest.raises(ConfigError, match="not one of the module's"):
+        OptimizerState(_model(), [torch.optim.SGD([stray], lr=0.1)]).state_dict()

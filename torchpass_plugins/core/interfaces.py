@@ -46,7 +46,8 @@ class Adapter(Protocol):
         that its peers do not (metric states, logged values)."""
 
     def load_state(self, values: dict[str, Any]) -> None:
-        """Spare side: adopt the parts' values received from the donor (all but ``own``)."""
+        """Spare side: adopt the parts' values received from the donor (and the lost rank's ``own``, where
+        it travels with them)."""
 
     def state_tensors(self) -> list[torch.Tensor]:
         """The large tensors of the training state (weights, optimizer state) without building it: what a

@@ -46,7 +46,7 @@ class Packed:
 
     meta: torch.Tensor
     payload: torch.Tensor
-    host: Any = None  # loop progress and scheduler state of the same boundary (never sent)
+    host: Any = None  # loop progress, scheduler and gradient scaler state of the same boundary (never sent)
     mapped: bool = False  # ``payload`` is the predecessor's own segment (this process never writes it)
 
     @property

@@ -16,7 +16,7 @@ snapshot loads the same parts, resharded.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 import torch
@@ -25,6 +25,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from torchpass_plugins.core.tree import map_leaves
+from torchpass_plugins.errors import ConfigError
 
 MODEL, OPTIMIZER, TRAINER, OWN = "model", "optim", "trainer", "own"
 
@@ -70,12 +71,13 @@ def _copy_into(target: torch.Tensor, value: torch.Tensor) -> None:
 
 class ModelState:
     """A module's parameters by name (``skip``: parameters whose state need not move, e.g. frozen ones),
-    and with ``buffers`` its persistent buffers; ``at_boundary`` gives values to hand out instead of the
-    live ones (buffers as they were at the step boundary, where the step's forward has moved them on)."""
+    and with ``buffers`` its persistent buffers and extra states; ``at_boundary()`` gives values to hand
+    out instead of the live ones (buffers as they were at the step boundary, where the step's forward has
+    moved them on). Building one costs nothing: it reads the module only when asked."""
 
     def __init__(self, module: nn.Module, skip: frozenset[str] = frozenset(), buffers: bool = True,
-                 at_boundary: Mapping[str, torch.Tensor] | None = None) -> None:
-        self.module, self.skip, self.buffers, self.at_boundary = module, skip, buffers, at_boundary or {}
+                 at_boundary: Callable[[], Mapping[str, torch.Tensor]] | None = None) -> None:
+        self.module, self.skip, self.buffers, self.at_boundary = module, skip, buffers, at_boundary
 
     def _targets(self) -> dict[str, torch.Tensor]:
         named = self.module.state_dict()
@@ -85,7 +87,8 @@ class ModelState:
         return {name: t for name, t in named.items() if name not in self.skip}
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        return {name: self.at_boundary.get(name, t) for name, t in self._targets().items()}
+        at_boundary = self.at_boundary() if self.at_boundary is not None else {}
+        return {name: at_boundary.get(name, t) for name, t in self._targets().items()}
 
     def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
         targets = self._targets()
@@ -95,7 +98,11 @@ class ModelState:
                                f"unexpected {unexpected[:5]} (is every rank running the same model?)")
         with torch.no_grad():
             for name, value in state.items():
-                _copy_into(targets[name], value)
+                if isinstance(value, torch.Tensor):
+                    _copy_into(targets[name], value)
+        extra = {name: value for name, value in state.items() if not isinstance(value, torch.Tensor)}
+        if extra:  # a module's extra state (``get_extra_state``): the module sets it itself
+            self.module.load_state_dict(extra, strict=False)
 
 
 class OptimizerState:
@@ -105,16 +112,30 @@ class OptimizerState:
     rate of 0, to create the state, which would change the run (Adam's step count) on the rank that asks."""
 
     def __init__(self, module: nn.Module, optimizers: list[Optimizer], skip: frozenset[str] = frozenset()) -> None:
-        self.optimizers, self.skip = optimizers, skip
-        self.params = dict(module.named_parameters())
-        self.names = {id(p): name for name, p in self.params.items()}
+        self.module, self.optimizers, self.skip = module, optimizers, skip
+
+    @property
+    def params(self) -> dict[str, nn.Parameter]:
+        return dict(self.module.named_parameters())
+
+    @property
+    def names(self) -> dict[int, str]:
+        """Each optimized parameter's name in the module (the key its state travels under)."""
+        names = {id(p): name for name, p in self.params.items()}
+        for optimizer in self.optimizers:
+            for group in optimizer.param_groups:
+                if any(id(p) not in names for p in group["params"]):
+                    raise ConfigError(
+                        "torchpass: an optimizer holds a parameter that is not one of the module's (its state "
+                        "travels by parameter name); build the optimizers from the LightningModule's parameters")
+        return names
 
     def state_dict(self) -> dict[str, Any]:
         state: dict[str, dict[str, Any]] = {}
-        groups = []
+        groups, by_id = [], self.names
         for optimizer in self.optimizers:
             for group in optimizer.param_groups:
-                names = [self.names[id(p)] for p in group["params"]]
+                names = [by_id[id(p)] for p in group["params"]]
                 groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": names})
                 for name, p in zip(names, group["params"], strict=True):
                     if name not in self.skip and p in optimizer.state:
@@ -124,6 +145,7 @@ class OptimizerState:
     def load_state_dict(self, values: Mapping[str, Any]) -> None:
         """Every parameter (but skipped ones) gets the state ``values`` has for it, and none where it has
         none (a parameter that had not stepped yet); each group its hyperparameters."""
+        by_id = self.names
         groups = [(group, optimizer) for optimizer in self.optimizers for group in optimizer.param_groups]
         if len(groups) != len(values["param_groups"]):
             raise RuntimeError(f"torchpass: the optimizer state has {len(values['param_groups'])} parameter "
@@ -132,7 +154,7 @@ class OptimizerState:
             for (group, optimizer), saved in zip(groups, values["param_groups"], strict=True):
                 group.update({k: v for k, v in saved.items() if k != "params"})
                 for p in group["params"]:
-                    name = self.names[id(p)]
+                    name = by_id[id(p)]
                     if name in self.skip:
                         continue
                     if name not in values["state"]:
@@ -153,7 +175,7 @@ class OptimizerState:
         size and dtype, or None for another value. Only what is stored is loaded: a parameter without
         stored state gets none, a hyperparameter the checkpoint lacks keeps its value here (a scheduler's)."""
         state: dict[str, dict[str, Any]] = {}
-        live = self.state_dict()["param_groups"]
+        live, params = self.state_dict()["param_groups"], self.params
         groups: dict[int, dict[str, Any]] = {}
         for entry, described in stored.items():
             kind, _, rest = entry.partition(".")
@@ -163,7 +185,7 @@ class OptimizerState:
                 groups.setdefault(int(index), {})[key] = _blank(described, like)
                 continue
             name, _, key = rest.rpartition(".")
-            p = self.params.get(name)
+            p = params.get(name)
             if kind == "state" and p is not None and name not in self.skip:
                 state.setdefault(name, {})[key] = _blank(described, p)
         return {"state": state, "param_groups": [groups[i] for i in sorted(groups)]}
@@ -183,9 +205,10 @@ def _blank(described: tuple[torch.Size, torch.dtype] | None, like: Any) -> Any:
 
 
 def _as_held(p: torch.Tensor, key: str, value: Any, group: Mapping[str, Any]) -> Any:
-    """``value`` of optimizer state ``key`` as the optimizer holds it for ``p`` (torch's own rule on
-    loading: the step count stays on the CPU unless the optimizer is fused or capturable; other floating
-    state takes the parameter's dtype and device; a shard of a sharded parameter is sharded like it)."""
+    """``value`` of optimizer state ``key`` as the optimizer holds it for ``p``: on the parameter's device
+    (the step count stays on the CPU unless the optimizer is fused or capturable, as torch loads it), a
+    shard of a sharded parameter sharded like it, and in the dtype it was saved in (an optimizer may keep
+    its state in another dtype than the parameter's: casting it would change the run)."""
     if not isinstance(value, torch.Tensor):
         return value
     if key == "step":
@@ -193,11 +216,8 @@ def _as_held(p: torch.Tensor, key: str, value: Any, group: Mapping[str, Any]) ->
         return value.to(device=p.device, dtype=torch.float32) if on_device else value.clone()
     if isinstance(p, DTensor) and not isinstance(value, DTensor) and value.dim() > 0 \
             and value.shape == local_part(p).shape:
-        local = value.to(dtype=p.dtype if value.is_floating_point() else value.dtype, device=local_part(p).device)
-        return DTensor.from_local(local.clone(), p.device_mesh, p.placements, run_check=False,
-                                  shape=p.shape, stride=p.stride())
-    if value.is_floating_point():
-        return value.to(dtype=p.dtype, device=p.device).clone()
+        return DTensor.from_local(value.to(device=local_part(p).device).clone(), p.device_mesh, p.placements,
+                                  run_check=False, shape=p.shape, stride=p.stride())
     return value.to(device=p.device).clone()
 
 

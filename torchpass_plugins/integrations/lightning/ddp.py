@@ -85,7 +85,7 @@ class TorchPassDDPStrategy(RecoverableCollectives, ParallelStrategy):
         self.runtime = self.cluster_environment.runtime
         self.adapter = LightningAdapter(self)
         self._incoming: Incoming | None = None  # a state to adopt: its model and optimizers as Lightning restores
-        self._handing_over = False  # Lightning's checkpoint is dumped for its trainer part: no model, no optimizer
+        self._trainer_part_only = False  # Lightning's checkpoint is dumped for its trainer part: no model, no optimizer
 
     # -- layout ---------------------------------------------------------------------------------------
     @property
@@ -259,28 +259,29 @@ class TorchPassDDPStrategy(RecoverableCollectives, ParallelStrategy):
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        return {} if self._handing_over else super().lightning_module_state_dict()
+        return {} if self._trainer_part_only else super().lightning_module_state_dict()
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        return {} if self._handing_over else super().optimizer_state(optimizer)
+        return {} if self._trainer_part_only else super().optimizer_state(optimizer)
 
     @contextmanager
     def without_model_and_optimizers(self) -> Iterator[None]:
         """Lightning's checkpoint dumped meanwhile leaves out the model and the optimizers (parts of their own)."""
-        self._handing_over = True
+        self._trainer_part_only = True
         try:
             yield
         finally:
-            self._handing_over = False
+            self._trainer_part_only = False
 
     # -- the training state (handed to spares, written to snapshots) -----------------------------------
     def training_state(self, complete: bool = True) -> dict[str, Stateful]:
         """The state as of the last step boundary, as named parts (:mod:`torchpass_plugins.core.training_state`):
-        every rank holds the same but its ``own`` part. (``complete`` matters to sharded strategies.)"""
+        every rank holds the same but its ``own`` part, so every part is complete (``complete`` matters to
+        sharded strategies only)."""
         module, sync = self.lightning_module, self.runtime.buffer_sync
         return {
-            MODEL: ModelState(module, at_boundary=sync.boundary_values() if sync is not None else None),
+            MODEL: ModelState(module, at_boundary=sync.boundary_values if sync is not None else None),
             OPTIMIZER: OptimizerState(module, self.optimizers),
             TRAINER: TrainerState(self, lambda: {"loops": self.runtime.boundary_record}),
             OWN: LoggedState(module.trainer),

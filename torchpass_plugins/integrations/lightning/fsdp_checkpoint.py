@@ -17,6 +17,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from torchpass_plugins.core.training_state import ModelState, OptimizerState
+from torchpass_plugins.errors import ConfigError
 from torchpass_plugins.storage.snapshot_store import stored_entries
 
 if TYPE_CHECKING:
@@ -33,7 +34,7 @@ class ShardedCheckpoints:
 
     @override
     def optimizer_state(self: TorchPassFSDPStrategy, optimizer: Optimizer) -> dict[str, Any]:
-        if self._handing_over:
+        if self._trainer_part_only:
             return {}
         return OptimizerState(self.lightning_module, [optimizer]).state_dict()
 
@@ -48,6 +49,9 @@ class ShardedCheckpoints:
     def load_checkpoint(self: TorchPassFSDPStrategy, checkpoint_path: Any,
                         weights_only: Optional[bool] = None) -> dict[str, Any]:
         path = Path(checkpoint_path)
+        if (path / "lightning.pt").is_file():
+            raise ConfigError(f"torchpass: {path} was written by an earlier torchpass_fsdp, in a layout this "
+                              "version does not read; resume it with that version, or from a snapshot")
         if not (path / CHECKPOINT_META).is_file():
             return super().load_checkpoint(checkpoint_path, weights_only)  # a single file, as Lightning writes
         checkpoint = load_sharded_checkpoint(self, path)

@@ -3,8 +3,8 @@
 Under fully sharded training no peer holds a rank's shard, so three things are kept per rank: the shard
 itself (ring replicas, :mod:`torchpass_plugins.core.ring_replication`), the rank's *own* state (module
 buffers, which FSDP keeps per rank, e.g. BatchNorm statistics, plus logged values and metric states), and
-the *host* part every rank shares (loop progress, schedulers), restored with the shards. A spare
-receives all three; a survivor that rolls back restores them in memory.
+the *host* part every rank shares (loop progress, schedulers, the gradient scaler's state), restored with
+the shards. A spare receives all three; a survivor that rolls back restores them in memory.
 """
 
 from __future__ import annotations
@@ -33,7 +33,6 @@ if TYPE_CHECKING:
     from torchpass_plugins.integrations.lightning.fsdp import TorchPassFSDPStrategy
 
 
-
 def trainable_only(name: str, param: nn.Parameter) -> bool:
     """A model-aware ``state_filter``: frozen parameters never change, so their shards need not move."""
     return param.requires_grad
@@ -49,7 +48,9 @@ class ShardedState:
         self.entering_own: dict | None = None  # a spare's: the lost rank's, adopted at its first boundary
 
     def parts(self, complete: bool, step: int) -> dict[str, Stateful]:
-        """The training state as of boundary ``step``. ``complete`` (a snapshot, the last resort): every
+        """The training state: the live model, optimizer and own parts (read them at a boundary), and the
+        trainer part as of boundary ``step`` (a rollback's restore step may be older than the live state; the
+        own part of a kept step is ``self.own[step]``). ``complete`` (a snapshot, the last resort): every
         parameter and the buffers in the model part; else what moves between ranks: the parameters
         ``state_filter`` keeps (buffers differ between ranks: they are this rank's ``own`` part, this object)."""
         s = self.strategy
@@ -106,27 +107,23 @@ class ShardedState:
 
     def host_now(self) -> dict:
         """What every rank holds alike and each step changes besides the shards, as of this boundary: loop
-        progress, schedulers, the precision plugin's state (the gradient scaler's), the callbacks' states.
-        Restored with the shards, so that a step run again leaves no trace of its first run."""
+        progress, schedulers and the precision plugin's state (the gradient scaler's). Restored with the
+        shards, so that a step run again leaves no trace of its first run in them."""
         s = self.strategy
         trainer = s.lightning_module.trainer
         return copy.deepcopy({
             "loops": s.runtime.boundary_record,
             "schedulers": [c.scheduler.state_dict() for c in trainer.lr_scheduler_configs],
             "precision": trainer.precision_plugin.state_dict(),
-            "callbacks": {c.state_key: c.state_dict() for c in trainer.callbacks},
         })
 
     def restore_host(self, host: dict) -> None:
-        """A survivor rolling back: schedulers, precision and callbacks as of :meth:`host_now` (the loops are
-        rewound apart)."""
+        """A survivor rolling back: schedulers and precision as of :meth:`host_now` (the loops are rewound
+        apart)."""
         trainer = self.strategy.lightning_module.trainer
         for config, state in zip(trainer.lr_scheduler_configs, host["schedulers"], strict=True):
             config.scheduler.load_state_dict(state)
         trainer.precision_plugin.load_state_dict(copy.deepcopy(host["precision"]))
-        for callback in trainer.callbacks:
-            if host["callbacks"].get(callback.state_key):
-                callback.load_state_dict(copy.deepcopy(host["callbacks"][callback.state_key]))
 
     def host_at(self, step: int) -> dict:
         if step in self.strategy.replicator.own:

@@ -46,8 +46,8 @@ def _unpack(data: bytes) -> Any:
 
 class TrainerState:
     """Lightning's checkpoint without the model and the optimizers, as of a step boundary: ``at_boundary()``
-    gives what has moved on since (the fit loop's progress; where a rollback needs them the schedulers,
-    the precision plugin's and the callbacks' states). Loaded, Lightning restores it as ``fit`` starts."""
+    gives what has moved on since (the fit loop's progress; where a rollback needs them the schedulers and
+    the precision plugin's state). Loaded, Lightning restores it as ``fit`` starts."""
 
     def __init__(self, strategy: TorchPassDDPStrategy, at_boundary: Callable[[], dict[str, Any]]) -> None:
         self.strategy, self.at_boundary = strategy, at_boundary
@@ -64,8 +64,6 @@ class TrainerState:
             checkpoint["lr_schedulers"] = boundary["schedulers"]
         if boundary.get("precision"):
             checkpoint[precision_checkpoint_key(self.strategy.lightning_module.trainer)] = boundary["precision"]
-        if "callbacks" in boundary:
-            checkpoint["callbacks"] = {key: state for key, state in boundary["callbacks"].items() if state}
         return checkpoint
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
