@@ -96,7 +96,7 @@ def test_the_loading_template_has_the_stored_entries_only():
               "state.0.weight.exp_avg": (torch.Size([8, 4]), torch.float32),
               "state.gone.weight.step": (torch.Size([]), torch.float32),
               "param_groups.0.lr": None, "param_groups.0.params": None}
-    template = OptimizerState(model, [optimizer]).loading_template(stored)
+    template = OptimizerState(model, [optimizer]).loading_template(lambda: stored)
     assert list(template["state"]) == ["0.weight"]
     assert template["state"]["0.weight"]["exp_avg"].shape == (8, 4)
     assert template["param_groups"] == [{"lr": 0.01, "params": [n for n, _ in model.named_parameters()]}]

@@ -90,6 +90,10 @@ class ModelState:
         at_boundary = self.at_boundary() if self.at_boundary is not None else {}
         return {name: at_boundary.get(name, t) for name, t in self._targets().items()}
 
+    def loading_template(self, stored: Callable[[], Mapping[str, Any]]) -> dict[str, torch.Tensor]:
+        """Where to load a stored model part into: this job's own tensors (DCP loads in place, resharded)."""
+        return self.state_dict()
+
     def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
         targets = self._targets()
         if state.keys() != targets.keys():
@@ -169,15 +173,16 @@ class OptimizerState:
                         else:
                             slot[key] = _as_held(p, key, value, group)
 
-    def loading_template(self, stored: Mapping[str, tuple[torch.Size, torch.dtype] | None]) -> dict[str, Any]:
-        """Where to load a stored optimizer part into (DCP loads in place, in this job's layout): ``stored``
+    def loading_template(self, stored: Callable[[], Mapping[str, tuple[torch.Size, torch.dtype] | None]]
+                         ) -> dict[str, Any]:
+        """Where to load a stored optimizer part into (DCP loads in place, in this job's layout): ``stored()``
         maps each of its entries (``"state.{parameter}.{key}"``, ``"param_groups.{i}.{key}"``) to a tensor's
         size and dtype, or None for another value. Only what is stored is loaded: a parameter without
         stored state gets none, a hyperparameter the checkpoint lacks keeps its value here (a scheduler's)."""
         state: dict[str, dict[str, Any]] = {}
         live, params = self.state_dict()["param_groups"], self.params
         groups: dict[int, dict[str, Any]] = {}
-        for entry, described in stored.items():
+        for entry, described in stored().items():
             kind, _, rest = entry.partition(".")
             if kind == "param_groups":
                 index, _, key = rest.partition(".")
@@ -191,6 +196,17 @@ class OptimizerState:
         return {"state": state, "param_groups": [groups[i] for i in sorted(groups)]}
 
 
+def load_stored(parts: Mapping[str, Any], stored: Callable[[str], Mapping[str, Any]],
+                read: Callable[[dict[str, Any]], None]) -> None:
+    """Load ``parts`` (model and optimizer parts, by their key in a DCP checkpoint) from it: each part's
+    loading template, filled by ``read`` (DCP's load), then loaded. ``stored(prefix)`` gives the checkpoint's
+    entries under a key (read only where a part needs them)."""
+    into = {key: part.loading_template(lambda key=key: stored(f"{key}.")) for key, part in parts.items()}
+    read(into)
+    for key, part in parts.items():
+        part.load_state_dict(into[key])
+
+
 def _blank(described: tuple[torch.Size, torch.dtype] | None, like: Any) -> Any:
     """A value to load a stored entry into: a tensor of its size and dtype (sharded like ``like``, a
     parameter, where it has that parameter's shape), else ``like`` (DCP replaces it)."""
@@ -198,10 +214,13 @@ def _blank(described: tuple[torch.Size, torch.dtype] | None, like: Any) -> Any:
         return like
     size, dtype = described
     if isinstance(like, DTensor) and tuple(size) == tuple(like.shape):
-        local = torch.zeros(local_part(like).shape, dtype=dtype, device=local_part(like).device)
-        return DTensor.from_local(local, like.device_mesh, like.placements, run_check=False,
-                                  shape=like.shape, stride=like.stride())
+        return _sharded_like(like, torch.zeros(local_part(like).shape, dtype=dtype, device=local_part(like).device))
     return torch.zeros(size, dtype=dtype)
+
+
+def _sharded_like(p: DTensor, local: torch.Tensor) -> DTensor:
+    """``local`` as this rank's chunk of a tensor sharded as ``p`` is."""
+    return DTensor.from_local(local, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
 
 
 def _as_held(p: torch.Tensor, key: str, value: Any, group: Mapping[str, Any]) -> Any:
@@ -216,8 +235,7 @@ def _as_held(p: torch.Tensor, key: str, value: Any, group: Mapping[str, Any]) ->
         return value.to(device=p.device, dtype=torch.float32) if on_device else value.clone()
     if isinstance(p, DTensor) and not isinstance(value, DTensor) and value.dim() > 0 \
             and value.shape == local_part(p).shape:
-        return DTensor.from_local(value.to(device=local_part(p).device).clone(), p.device_mesh, p.placements,
-                                  run_check=False, shape=p.shape, stride=p.stride())
+        return _sharded_like(p, value.to(device=local_part(p).device).clone())
     return value.to(device=p.device).clone()
 
 

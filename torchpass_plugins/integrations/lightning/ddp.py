@@ -291,7 +291,7 @@ class TorchPassDDPStrategy(RecoverableCollectives, ParallelStrategy):
         """Before ``setup``: take ``incoming`` (a peer's state or a snapshot) as Lightning restores: the trainer
         part as a checkpoint ``fit`` restores, the model and the optimizers as Lightning loads them."""
         self._incoming = incoming
-        self.training_state()[TRAINER].load_state_dict(incoming.trainer)
+        self.adapter.restore_trainer(incoming.trainer)
 
     # -- snapshots (taken and resumed by TorchPassCallback) ---------------------------------------------
     def snapshot_writers(self) -> list[int]:

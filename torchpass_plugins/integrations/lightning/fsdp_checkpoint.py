@@ -16,7 +16,7 @@ import torch.distributed.checkpoint as dcp
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from torchpass_plugins.core.training_state import ModelState, OptimizerState
+from torchpass_plugins.core.training_state import ModelState, OptimizerState, load_stored
 from torchpass_plugins.errors import ConfigError
 from torchpass_plugins.storage.snapshot_store import stored_entries
 
@@ -86,18 +86,12 @@ def load_sharded_checkpoint(strategy: TorchPassFSDPStrategy, path: Path) -> dict
     the shards, resharded if it was written by another number of ranks; returns the rest of the checkpoint.
     Each optimizer gets the state the checkpoint holds, and none for a parameter it has none for."""
     module = strategy.lightning_module
-    model = ModelState(module)
-    optimizers = [OptimizerState(module, [optimizer]) for optimizer in strategy.optimizers]
-    stored = dcp.FileSystemReader(path).read_metadata()
-    state = {"state_dict": model.state_dict(), **{
-        f"optimizer_{i}": part.loading_template(stored_entries(stored, f"optimizer_{i}."))
-        for i, part in enumerate(optimizers)}}
-    dcp.load(state, checkpoint_id=path)
-    model.load_state_dict(state["state_dict"])
-    for i, part in enumerate(optimizers):
-        part.load_state_dict(state[f"optimizer_{i}"])
+    parts = {"state_dict": ModelState(module), **{f"optimizer_{i}": OptimizerState(module, [optimizer])
+                                                  for i, optimizer in enumerate(strategy.optimizers)}}
+    metadata = dcp.FileSystemReader(path).read_metadata()
+    load_stored(parts, lambda prefix: stored_entries(metadata, prefix), lambda into: dcp.load(into, checkpoint_id=path))
     own = path / RANK_BUFFERS.format(rank=strategy.global_rank)
-    if own.is_file():  # else (another number of ranks wrote it, or ModelParallelStrategy) rank 0's buffers
+    if own.is_file():  # else (a rank the writing job did not have, or ModelParallelStrategy) one rank's buffers
         strategy.sharded.load_buffers(torch.load(own, weights_only=True))
     checkpoint = torch.load(path / CHECKPOINT_META, weights_only=False)
     checkpoint.update(state_dict={}, optimizer_states=[])

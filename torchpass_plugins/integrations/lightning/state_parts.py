@@ -27,7 +27,7 @@ from torchpass_plugins._compat.lightning import (
     precision_checkpoint_key,
     rank_local_state,
 )
-from torchpass_plugins.core.training_state import MODEL, OPTIMIZER, OWN, TRAINER, Stateful, capture
+from torchpass_plugins.core.training_state import MODEL, OPTIMIZER, OWN, TRAINER, Stateful, capture, load_stored
 from torchpass_plugins.storage.snapshot_store import Manifest, SnapshotCorrupted, SnapshotStore
 
 if TYPE_CHECKING:
@@ -139,13 +139,12 @@ class ResumedSnapshot(Incoming):
         self.own = _unpack(parts[own]) if parts[own] else None
 
     def load_model(self, parts: dict[str, Stateful]) -> None:
-        into = {MODEL: parts[MODEL].state_dict()}
-        self.store.read(self.manifest, into)
-        parts[MODEL].load_state_dict(into[MODEL])
+        self._load({MODEL: parts[MODEL]})
 
     def load_optimizers(self, parts: dict[str, Stateful]) -> None:
-        if OPTIMIZER not in parts:
-            return
-        into = {OPTIMIZER: parts[OPTIMIZER].loading_template(self.store.stored(self.manifest, "optim."))}
-        self.store.read(self.manifest, into)
-        parts[OPTIMIZER].load_state_dict(into[OPTIMIZER])
+        if OPTIMIZER in parts:
+            self._load({OPTIMIZER: parts[OPTIMIZER]})
+
+    def _load(self, parts: dict[str, Stateful]) -> None:
+        load_stored(parts, lambda prefix: self.store.stored(self.manifest, prefix),
+                    lambda into: self.store.read(self.manifest, into))
