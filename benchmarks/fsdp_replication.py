@@ -106,6 +106,7 @@ class Recovery:
     host_bytes: int
     rolled_back: int
     replica_memory_bytes: int
+    log_memory_bytes: int
 
 
 def measure_recovery(size: Size, work: Path) -> Recovery:
@@ -122,6 +123,7 @@ def measure_recovery(size: Size, work: Path) -> Recovery:
         host_bytes=sum(e["bytes"] for e in received if e["kind"] == "host"),
         rolled_back=max(e["steps_rolled_back"] for e in recovered),
         replica_memory_bytes=max(e["bytes"] for e in events if e["event"] == "replica_memory"),
+        log_memory_bytes=max(e["log_bytes"] for e in events if e["event"] == "replica_memory"),
     )
 
 
@@ -172,15 +174,17 @@ def render(size: Size, times: dict[int, list[float]], within: list[float], recov
             f"step {size.kill_step}, 1 spare, replication every step):",
             "",
             "| Recovery (s) | Regain (s) | Shard bytes to the spare | Other state bytes | Steps rolled back | "
-            "Replica host memory per rank (bytes) |",
-            "|---|---|---|---|---|---|",
+            "Replica host memory per rank (bytes) | Gradient log host memory per rank (bytes) |",
+            "|---|---|---|---|---|---|---|",
             f"| {med['recovery_s']:.2f} | {med['regain_s']:.2f} | {med['shard_bytes']:,.0f} | {med['host_bytes']:,.0f} "
-            f"| {med['rolled_back']:.0f} | {med['replica_memory_bytes']:,.0f} |",
+            f"| {med['rolled_back']:.0f} | {med['replica_memory_bytes']:,.0f} | {med['log_memory_bytes']:,.0f} |",
             "",
             "Recovery: the longest `recovered` event (new roster -> every rank restored). Regain: from the agent's "
             "record of the exit until every rank has completed the step in flight. Host memory: the rank's three "
             "segments of packed snapshots (two kept, one being written); its successor on the same host maps them, "
-            "so the replica it holds costs nothing more (across hosts: two own snapshots and two received replicas).",
+            "so the replica it holds costs nothing more (across hosts: two own snapshots and two received replicas). "
+            "Gradient log: the most the rank held at once of its predecessor's logged gradients (one shard-sized "
+            "gradient per step since the last replica round) and rank-local state; the largest over ranks.",
         ]
     return "\n".join(lines)
 

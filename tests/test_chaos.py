@@ -93,15 +93,15 @@ def test_the_verdict_catches_a_divergence_and_a_step_applied_twice(work):
 # thread (the spare enters in fit's final barrier with its predecessor's logged values from before the
 # epoch's end; was a restart), the promoted spare lost (waits for a refilled spare; was a restart), a kill
 # in FSDP's data phase (never struck), the replication thread raising (was silent), an FSDP rollback to
-# before the first step (diverged; whether the kill lands before or after step 2's replication round
-# completes decides between a rollback and a live swap, so both are right: the unit test in
-# test_sharded_recovery.py pins the rollback itself). Then one scenario of each fault kind the others do
+# before the first step (diverged; since each step's gradient is logged at the ring successor, no single
+# failure rolls back: the unit tests in test_sharded_recovery.py pin the rollback itself). Then one
+# scenario of each fault kind the others do
 # not strike, with the outcome the guarantee promises and no costlier one: a GIL-holding loop and a
 # SIGSTOP (replaced live), a slow rank (nothing lost), the coordinator's agent killed (the job stops; the
 # resubmitted job resumes from its newest snapshot). Seed 1's #21: rank 1 killed, then rank 0 during the
 # recovery, before rank 1's spare held rank 0's copy of its logged values: they start over, and say so.
-SLICE = {(0, 2): {"rolled-back"}, (0, 19): {"logs-at-vote"}, (0, 8): {"zero-rollback"}, (0, 20): {"restarted"},
-         (0, 58): {"rolled-back"}, (0, 27): {"rolled-back", "zero-rollback"}, (0, 34): {"zero-rollback"},
+SLICE = {(0, 2): {"zero-rollback"}, (0, 19): {"logs-at-vote"}, (0, 8): {"zero-rollback"}, (0, 20): {"restarted"},
+         (0, 58): {"zero-rollback"}, (0, 27): {"zero-rollback"}, (0, 34): {"zero-rollback"},
          (0, 128): {"zero-rollback"}, (0, 15): {"no-loss"}, (0, 0): {"stopped"}, (1, 21): {"logs-reset"}}
 
 
@@ -111,16 +111,19 @@ def test_fixed_seed_slice_of_the_chaos_matrix(work, seed, index):
     assert result.index == index and result.outcome in SLICE[seed, index], f"{result.outcome}: {result.detail}"
 
 
-def test_the_summary_leads_with_the_zero_rollback_share_of_single_losses():
-    def result(outcome: str, strategy: str, lost: int) -> matrix.Result:
-        return matrix.Result(0, "kill@rank=1,step=3,phase=data", "step", "data", "kill", outcome, "", 1.0, strategy,
+def test_the_summary_leads_with_the_zero_rollback_share_of_single_failures():
+    def result(outcome: str, strategy: str, lost: int, kind: str = "step") -> matrix.Result:
+        return matrix.Result(0, "kill@rank=1,step=3,phase=data", kind, "data", "kill", outcome, "", 1.0, strategy,
                              lost)
 
-    results = [result("zero-rollback", "torchpass_ddp", 1), result("resumed", "torchpass_ddp", 1),
-               result("no-loss", "torchpass_ddp", 0), result("resumed", "torchpass_ddp", 2),
+    results = [result("zero-rollback", "torchpass_ddp", 1), result("resumed", "torchpass_ddp", 1, "background"),
+               result("no-loss", "torchpass_ddp", 0), result("resumed", "torchpass_ddp", 2, "double"),
+               result("restarted", "torchpass_ddp", 1, "recovery"),  # a second fault: not a single failure
                result("zero-rollback", "torchpass_fsdp", 1)]  # fmt: skip
     text = matrix.summary(results, 3)
-    assert "`torchpass_ddp`: a single lost worker replaced with zero rollback in 1 of 2 scenarios (50%)" in text
-    assert "`torchpass_fsdp`: a single lost worker replaced with zero rollback in 1 of 1 scenarios (100%)" in text
-    assert "| strategy | zero-rollback | no-loss | resumed |" in text
-    assert "| torchpass_ddp | 1 | 1 | 2 |" in text and "| torchpass_fsdp | 1 | 0 | 0 |" in text
+    assert ("`torchpass_ddp`: a single failure that lost a worker, replaced with zero rollback in 1 of 2 scenarios "
+            "(50%)") in text
+    assert ("`torchpass_fsdp`: a single failure that lost a worker, replaced with zero rollback in 1 of 1 scenarios "
+            "(100%)") in text
+    assert "| strategy | zero-rollback | no-loss | resumed | restarted |" in text
+    assert "| torchpass_ddp | 1 | 1 | 2 | 1 |" in text and "| torchpass_fsdp | 1 | 0 | 0 | 0 |" in text

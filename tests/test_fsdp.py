@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from conftest import STEPS, assert_bit_exact
 from jobs import run
@@ -30,19 +31,49 @@ def test_kill_mid_step_restores_the_shard_from_its_replica(tmp_path, reference):
     assert (shard["rank"], shard["src"]) == (1, 2)  # rank 1's replica lives on its ring successor
 
 
-def test_replicating_every_4_steps_rolls_back_in_memory_and_replays(tmp_path, reference):
+def test_replicating_every_4_steps_replays_the_logged_steps_and_rolls_nothing_back(tmp_path, reference):
     fp16 = (*FSDP, "--precision", "16-mixed")  # the gradient scaler's state changes every step too
     job, codes = run(tmp_path, train_args=(*TRAIN, "--precision", "16-mixed", "--replicate-every", "4"),
                      faults="kill@rank=1,step=6,phase=reduce")
     assert all(code == 0 for code in codes), job.output()[-4000:]
-    assert {e["steps_rolled_back"] for e in job.events("recovered")} == {2}
-    # Steps 4 and 5 were applied, rolled back with every shard and everything else they changed, and applied
-    # again from the same batches and random streams: every rank's state is the failure-free run's.
+    assert {(e["restore_step"], e["steps_rolled_back"]) for e in job.events("recovered")} == {(6, 0)}
+    # Rank 1's replica is of step 4: its successor replayed the gradients of steps 4 and 5 it had logged.
+    [sent] = [e for e in job.events("state_sent") if e["kind"] == "shard"]
+    assert (sent["rank"], sent["steps_replayed"]) == (2, 2)
+    # Each holder logged at least two steps' gradients of its predecessor's shard (the shard sent is its
+    # weights and two Adam moments: three shard-sized tensors), and the event reports it.
+    [shard] = [e for e in job.events("state_received") if e["kind"] == "shard"]
+    memory = job.events("replica_memory")
+    assert sorted(e["rank"] for e in memory) == [0, 1, 2]
+    assert all(e["log_bytes"] > 2 * shard["bytes"] / 3 for e in memory), memory
     expected = reference(3, fp16)
     for rank in range(3):
         found = differences(expected.state(rank), job.state(rank), f"rank{rank}")
         assert not found, "\n".join(found[:10])
-        assert job.applied(rank) == [*range(6), *range(4, STEPS)]
+        assert job.applied(rank) == list(range(STEPS))
+    assert job.leftovers() == []
+
+
+EVERY_PHASE = ("boundary", "data", "forward", "backward", "reduce", "commit", "optimizer", "replicate")
+
+
+@pytest.mark.parametrize("every", [1, 4])
+def test_a_kill_in_every_phase_of_a_step_rolls_no_survivor_back(tmp_path, reference, every):
+    """One job, one SIGKILL in each phase of a step (the replication round's included), two steps apart,
+    of rank 0 as often as of the others. Every recovery restores the step the job was at: the event log
+    shows no applied step rolled back, each rank applied every step once, and every rank ends bit-exact."""
+    kills = ";".join(f"kill@rank={i % 3},step={2 + 2 * i},phase={phase}" for i, phase in enumerate(EVERY_PHASE))
+    job, codes = run(tmp_path, nproc=5, spares=2, train_args=(*TRAIN, "--replicate-every", str(every)), faults=kills)
+    assert codes == [0], job.output()[-4000:]
+    assert len(job.events("failure_detected")) == len(EVERY_PHASE), job.events("failure_detected")
+    recovered = job.events("recovered")
+    assert {e["steps_rolled_back"] for e in recovered} == {0}, recovered
+    for rank in range(3):
+        assert job.applied(rank) == list(range(STEPS)), f"rank {rank} applied {job.applied(rank)}"
+    expected = reference(3, FSDP)
+    for rank in range(3):
+        found = differences(expected.state(rank), job.state(rank), f"rank{rank}")
+        assert not found, "\n".join(found[:10])
     assert job.leftovers() == []
 
 
@@ -52,7 +83,7 @@ def test_a_rank_lost_with_its_replica_holder_falls_back_to_the_newest_sharded_sn
     snapshots = tmp_path / "snapshots"
     train = (*TRAIN, "--snapshot-dir", str(snapshots), "--snapshot-every", "2", "--snapshot-when-busy", "wait")
     job, codes = run(tmp_path, nproc=5, spares=2, train_args=train, launch_args=("--no-refill",),
-                     faults="kill@rank=1,step=5,phase=reduce;kill@rank=2,step=5,phase=commit")
+                     faults="kill@rank=1,step=5,phase=reduce;kill@rank=2,step=5,phase=survivor")
     assert codes == [0], job.output()[-3000:]
     [restart] = job.events("job_restarting")
     assert "logical rank 1 and its replica holder, rank 2, were lost together" in restart["message"]

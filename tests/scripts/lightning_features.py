@@ -10,7 +10,6 @@ compared with the failure-free run rank by rank."""
 from __future__ import annotations
 
 import argparse
-import time
 from pathlib import Path
 
 import lightning as L
@@ -21,7 +20,7 @@ from torch.utils.data import DataLoader, Dataset, TensorDataset
 from torchmetrics.classification import MulticlassAccuracy
 
 from torchpass_plugins import TorchPassCallback, TorchPassFSDPStrategy
-from torchpass_plugins.demo.train import precision_arguments, rank_state
+from torchpass_plugins.demo.train import precision_arguments, rank_state, record_applied
 
 
 class Noisy(Dataset):
@@ -93,9 +92,9 @@ class Model(L.LightningModule):
         self.log("val_loss", nn.functional.cross_entropy(logits, y), sync_dist=True)
         self.log("val_acc", self.val_acc, on_epoch=True)
 
-    def on_before_optimizer_step(self, optimizer) -> None:
-        with open(self.out / f"applied_rank{self.global_rank}.txt", "a") as f:
-            f.write(f"{self.trainer.global_step} {time.time()}\n")
+    def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure=None) -> None:
+        with record_applied(optimizer, self.out / f"applied_rank{self.global_rank}.txt", self.trainer.global_step):
+            super().optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
 
     def configure_optimizers(self):
         opt = torch.optim.AdamW([{"params": self.body.parameters(), "lr": 2e-3},

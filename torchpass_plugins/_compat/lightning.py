@@ -268,6 +268,14 @@ def restoring_a_checkpoint(trainer: Any) -> bool:
     return bool(trainer._checkpoint_connector._loaded_checkpoint) or trainer.ckpt_path is not None
 
 
+def forget_unscaled(precision: Any) -> None:
+    """A step abandoned after its gradients were unscaled, before the scaler stepped and updated: the
+    scaler forgets it (else the step run again could not unscale: torch allows once per update)."""
+    scaler = getattr(precision, "scaler", None)
+    if scaler is not None:
+        scaler._per_optimizer_states.clear()  # a defaultdict: each optimizer's starts fresh again
+
+
 def rewind_loops(fit_loop: _Loop, snapshot: dict) -> None:
     """Put every progress counter of the fit loop back to ``snapshot`` (``fit_loop.state_dict()``), without
     the restart mode that ``load_state_dict`` would switch on."""

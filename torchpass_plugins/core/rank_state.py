@@ -36,10 +36,14 @@ KEEP = 2
 
 
 class RankStateRing:
-    """This rank's copies of its ring predecessor's rank-local state, by kind and step."""
+    """This rank's copies of its ring predecessor's rank-local state, by kind and step: the last ``KEEP`` of
+    each kind, unless ``keep_votes`` is False (``torchpass_fsdp``'s vote copies carry the step's gradient
+    too, kept until its replica round makes them unneeded: :meth:`forget_votes_before`)."""
 
-    def __init__(self) -> None:
+    def __init__(self, keep_votes: bool = True) -> None:
         self.copies: dict[str, dict[int, tuple[torch.Tensor, torch.Tensor]]] = {"vote": {}, "boundary": {}}
+        self._bounded = {"vote": keep_votes, "boundary": True}
+        self.peak_bytes = 0  # the most host memory the copies held at once (reported with the replicas')
 
     def exchange(self, transport: ReconfigurableGroup, kind: str, step: int, state: Any) -> None:
         """Send ``state`` to the successor and keep the predecessor's, both at once (raises ``PeerFailure``)."""
@@ -59,8 +63,28 @@ class RankStateRing:
             transport.wait_all(works, f"rank state at the {kind}")
         kept = self.copies[kind]
         kept[got_step] = (blob[:meta_n], blob[meta_n:])
-        for old in sorted(kept)[:-KEEP]:
+        self.peak_bytes = max(self.peak_bytes, self.nbytes())
+        for old in sorted(kept)[:-KEEP] if self._bounded[kind] else ():
             del kept[old]
+
+    def nbytes(self) -> int:
+        return sum(meta.numel() + payload.numel() for kept in self.copies.values() for meta, payload in kept.values())
+
+    def get(self, kind: str, step: int) -> Any:
+        return unpack(*self.copies[kind][step])
+
+    def logged(self) -> set[int]:
+        """The steps whose vote copy this rank holds."""
+        return set(self.copies["vote"])
+
+    def forget_votes_before(self, step: int) -> None:
+        for old in [s for s in self.copies["vote"] if s < step]:
+            del self.copies["vote"][old]
+
+    def clear(self) -> None:
+        """A new ring (after a recovery): the copies came from a predecessor this rank may no longer have."""
+        for kept in self.copies.values():
+            kept.clear()
 
     def for_entry(self, entry: int) -> tuple[str, Any]:
         """The predecessor's state at boundary ``entry``: ``("boundary", state)``; else as of the vote before
@@ -68,5 +92,5 @@ class RankStateRing:
         or the predecessor was lost before the first boundary's."""
         for kind, step in (("boundary", entry), ("vote", entry - 1)):
             if step in self.copies[kind]:
-                return kind, unpack(*self.copies[kind][step])
+                return kind, self.get(kind, step)
         return "none", None

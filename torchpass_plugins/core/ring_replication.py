@@ -74,7 +74,9 @@ class RingReplicator:
     _crash: Exception | None = None
 
     def due(self, step: int) -> bool:
-        return self.every > 0 and step % self.every == 0
+        """Every ``every`` steps, and at once when this rank holds no round (after a recovery: until one
+        completes, a second failure would find no replica)."""
+        return self.every > 0 and (step % self.every == 0 or not self.own)
 
     def reset(self) -> None:
         """After a recovery: the ring has a new member and nothing older than the restored step matters."""

@@ -1,12 +1,16 @@
 """The recovery decision of fully sharded training: to which step every rank restores, and from where.
 
 Each member reports the steps whose shard state it can produce: a survivor its live state (if it has not
-applied a step since its last boundary) and its own packed snapshots; for a lost rank, its ring
-successor's replicas. The job restores the newest step that every logical rank can produce. That is
-the step in flight whenever the failure struck after the round's fence, and older only if it struck
-while a round was in flight or between rounds (``replicate_every_n_steps > 1``): then every rank rolls
-back in memory, and the steps lost are recorded. If no common step exists (a rank and its ring
-successor lost together), nothing can restore the lost shard and the job stops with that message.
+applied a step since its last boundary; the boundary after it too if it stands in the commit of that step
+with the step's gradient reduced) and its own packed snapshots; for a lost rank, its ring successor the
+boundaries it can bring its replica to by replaying the logged steps (:mod:`gradient_log`). The job
+restores the newest step that every logical rank can produce and that no survivor is behind of: a step
+nobody applied is run again rather than applied by survivors alone (their spare enters at a boundary that
+some survivor has reached). A step some survivor applied is one whose gradient every successor logged
+(it was logged before the commit vote), so a single failure rolls no survivor back; older steps are
+restored only after two failures within one step, and the steps lost are recorded. If no common step
+exists (a rank and its ring successor lost together), nothing can restore the lost shard and the job
+stops with that message.
 """
 
 from __future__ import annotations
@@ -26,27 +30,41 @@ def _pad(steps: tuple[int, ...]) -> list[int]:
 
 @dataclass(frozen=True)
 class ShardRow:
-    """What one member reports (spares report only that they are spares)."""
+    """What one member reports (spares report only that they are spares). ``pending``: in the commit of
+    the step after ``last_boundary``, its gradient reduced and not applied. ``predecessor``: the first and
+    last boundary this rank can bring its ring predecessor's shard to."""
 
     spare: bool
     applied: int = NONE
     last_boundary: int = NONE
+    pending: bool = False
     own: tuple[int, ...] = ()
-    replicas: tuple[int, ...] = ()
+    predecessor: tuple[int, int] = (NONE, NONE)
 
     def to_tensor(self) -> torch.Tensor:
-        row = [int(self.spare), self.applied, self.last_boundary, *_pad(self.own), *_pad(self.replicas)]
+        row = [int(self.spare), self.applied, self.last_boundary, int(self.pending), *_pad(self.own),
+               *self.predecessor]
         return torch.tensor(row, dtype=torch.int64)
 
     @classmethod
     def from_tensor(cls, t: torch.Tensor) -> ShardRow:
-        spare, applied, boundary, *steps = t.tolist()
-        own, replicas = (tuple(x for x in pair if x != NONE) for pair in (steps[:2], steps[2:]))
-        return cls(bool(spare), applied, boundary, own, replicas)
+        spare, applied, boundary, pending, *rest = t.tolist()
+        own = tuple(x for x in rest[:2] if x != NONE)
+        return cls(bool(spare), applied, boundary, bool(pending), own, (rest[2], rest[3]))
+
+    def live(self) -> int:
+        """The boundary this rank's live state is at (``NONE`` if it applied a step since)."""
+        return self.last_boundary if self.applied == self.last_boundary != NONE else NONE
 
     def steps(self) -> set[int]:
-        live = {self.last_boundary} if self.applied == self.last_boundary != NONE else set()
+        live = {self.live()} - {NONE}
+        if self.pending and live:
+            live.add(self.last_boundary + 1)
         return live | set(self.own)
+
+    def predecessor_steps(self) -> set[int]:
+        first, last = self.predecessor
+        return set(range(first, last + 1)) if first != NONE else set()
 
 
 @dataclass(frozen=True)
@@ -54,7 +72,7 @@ class ShardAgreement:
     restore_step: int
     lost_steps: int  # applied by some survivor after ``restore_step``: rolled back, applied again
     sources: dict[int, int]  # lost logical rank -> the ring successor that holds its shard
-    donor: int  # sends the non-sharded state (loops, schedulers, callbacks)
+    donor: int  # sends the non-sharded state (loops, schedulers, callbacks): a survivor live at the step
 
     @classmethod
     def decide(cls, rows: list[ShardRow]) -> ShardAgreement:
@@ -74,13 +92,14 @@ class ShardAgreement:
                     f"rank {r}'s shard exists nowhere. Resume the job from its newest snapshot."
                 )
             sources[r] = buddy
-            available.append(set(rows[buddy].replicas))
-        common = set.intersection(*available)
+            available.append(rows[buddy].predecessor_steps())
+        reached = max(rows[r].applied for r in survivors)
+        common = {step for step in set.intersection(*available) if step <= reached}
         if not common:
             raise Unrecoverable(
                 "torchpass: no step is held by every rank's shard copies (replication is off, or a failure came "
                 "before the first replication round completed); resume the job from its newest snapshot."
             )
         step = max(common)
-        lost = max(rows[r].applied for r in survivors) - step
-        return cls(step, lost, sources, min(survivors))
+        live = [r for r in survivors if rows[r].live() == step]
+        return cls(step, reached - step, sources, min(live or survivors))

@@ -100,13 +100,6 @@ class SignalVerbs:
     """The runtime's verbs for the step signals and the migrations they agree on (mixed into ``Runtime``,
     whose ``signals``, ``transport``, ``member``, ``events``, ``leave_hooks`` and recovery they use)."""
 
-    def exchange_signals(self, step: int) -> None:
-        """For a strategy whose commit carries no vote (``torchpass_fsdp``): the step's signals in one small
-        all-reduce at its boundary; raises ``PeerFailure`` like any collective."""
-        signals = self.signals.row()
-        self.transport.all_reduce(signals, what="step signals")
-        self.signals.take(signals, step, drain_at=step)
-
     def drain_due(self, step: int) -> int | None:
         """The logical rank that moves to a spare at this boundary, if one does."""
         return self.signals.drain_due(step)

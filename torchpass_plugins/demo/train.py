@@ -12,6 +12,7 @@ runs can be compared bit for bit, rank by rank.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import time
 from pathlib import Path
@@ -82,11 +83,11 @@ class Classifier(L.LightningModule):
         if self.sleep_per_step:
             time.sleep(self.sleep_per_step)  # stands in for a bigger model, so failures land mid-run
 
-    def on_before_optimizer_step(self, optimizer) -> None:
-        # Runs once the reduced gradient is committed: the step is then applied exactly here.
-        if self.out_dir is not None:
-            with open(self.out_dir / f"applied_rank{self.global_rank}.txt", "a") as f:
-                f.write(f"{self.trainer.global_step} {time.time()}\n")
+    def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure=None) -> None:
+        if self.out_dir is None:
+            return super().optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
+        with record_applied(optimizer, self.out_dir / f"applied_rank{self.global_rank}.txt", self.trainer.global_step):
+            super().optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
 
     def configure_optimizers(self):
         opt = torch.optim.AdamW(self.parameters(), lr=self.hparams.lr, weight_decay=0.01)
@@ -103,6 +104,27 @@ def _local(obj):
     if isinstance(obj, DTensor):
         obj = obj.to_local()
     return obj.detach().clone() if isinstance(obj, torch.Tensor) else obj
+
+
+@contextlib.contextmanager
+def record_applied(optimizer, path: Path, step: int):
+    """Append ``step`` to ``path`` as the optimizer has applied it or, if a loss scaler skipped it, once the
+    step is over: the test oracle's record of the steps each rank applied, each exactly once in a run that
+    rolls nothing back."""
+    recorded = []
+
+    def applying(*_) -> None:
+        recorded.append(step)
+        with open(path, "a") as f:
+            f.write(f"{step} {time.time()}\n")
+
+    handle = getattr(optimizer, "optimizer", optimizer).register_step_post_hook(applying)
+    try:
+        yield
+    finally:
+        handle.remove()
+    if not recorded:
+        applying()
 
 
 def rank_state(trainer: L.Trainer, model: L.LightningModule) -> dict:

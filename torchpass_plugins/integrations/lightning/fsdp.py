@@ -2,11 +2,14 @@
 
 FSDP2 is built on a :class:`PoisoningGroup` (the default process group), so the group it holds survives
 failures while the real gloo group is rebuilt per generation. Each rank's shard is replicated to its ring
-successor every ``replicate_every_n_steps`` steps (:class:`RingReplicator`). A failed collective poisons the
-relay: the step runs to its end locally, is discarded before the optimizer applies it, every member of the
-new roster agrees on the newest step whose shards all exist (:class:`ShardAgreement`), the spare receives
-the lost shard from the successor and the rest of the state from a survivor, everyone restores that step in
-memory and the fit loop re-runs from it (:mod:`step_replay`).
+successor every ``replicate_every_n_steps`` steps (:class:`RingReplicator`), and every step, before the
+commit vote, the successor also receives what the optimizer is about to apply to the shard and the rank's
+own state (:mod:`gradient_log`). A failed collective poisons the relay: the step runs to its end locally and
+is discarded before the optimizer applies it; every member of the new roster agrees on the newest step that
+every shard can be brought to (:class:`ShardAgreement`), the spare receives the lost shard (its replica
+with the logged steps replayed) from the successor and the rest of the state from a survivor, and the
+others restore that step in memory or, standing in its commit, apply it; the fit loop goes on from there
+(:mod:`step_replay`). No survivor rolls back a step it applied.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from torchpass_plugins.control.membership import Unrecoverable
 from torchpass_plugins.core import default_group
 from torchpass_plugins.core.default_group import PoisoningGroup
 from torchpass_plugins.core.process_group import PeerFailure, ReconfigurableGroup
+from torchpass_plugins.core.rank_state import RankStateRing
 from torchpass_plugins.core.ring_replication import RingReplicator
 from torchpass_plugins.core.training_state import (
     OWN,
@@ -42,16 +46,17 @@ from torchpass_plugins.errors import ConfigError
 from torchpass_plugins.integrations.lightning.ddp import TorchPassDDPStrategy
 from torchpass_plugins.integrations.lightning.fsdp_checkpoint import ShardedCheckpoints
 from torchpass_plugins.integrations.lightning.fsdp_collectives import PoisonedCollectives, WrapPolicy, shard_children
+from torchpass_plugins.integrations.lightning.fsdp_commit import LoggedCommit, closure_first
 from torchpass_plugins.integrations.lightning.fsdp_recovery import ShardedPlan
 from torchpass_plugins.integrations.lightning.fsdp_state import ShardedState
 from torchpass_plugins.integrations.lightning.state_parts import Incoming
-from torchpass_plugins.integrations.lightning.step_replay import ReplayFetcher, StepFailed
+from torchpass_plugins.integrations.lightning.step_replay import ReplayFetcher, StepDiscarded, StepFailed
 from torchpass_plugins.testing import faults
 
 StateFilter = Callable[[str, nn.Parameter], bool]
 
 
-class TorchPassFSDPStrategy(ShardedCheckpoints, PoisonedCollectives, TorchPassDDPStrategy):
+class TorchPassFSDPStrategy(LoggedCommit, ShardedCheckpoints, PoisonedCollectives, TorchPassDDPStrategy):
     """Fully sharded data parallel with hot spares. Use ``strategy="torchpass_fsdp"`` under ``torchpass launch``.
 
     Args:
@@ -59,7 +64,8 @@ class TorchPassFSDPStrategy(ShardedCheckpoints, PoisonedCollectives, TorchPassDD
             its own unit; ``None`` makes each direct child of the LightningModule one unit. Ignored when the
             module shards itself in ``configure_model``.
         replicate_every_n_steps: refresh the ring replica every N optimizer steps (0: off; a loss then stops
-            the job). A failure can cost up to N steps, rolled back in memory.
+            the job). Between rounds the successor logs each step's gradient: a larger N costs the spare a
+            longer replay and the successor more memory, never a rollback.
         state_filter: model-aware mode: ``(name, param) -> bool`` selects the parameters whose shard state
             is replicated and handed over; the others are assumed unchanged since the spare built them.
         reshard_after_forward, mp_policy, offload_policy: passed to ``fully_shard``.
@@ -98,7 +104,11 @@ class TorchPassFSDPStrategy(ShardedCheckpoints, PoisonedCollectives, TorchPassDD
         side = ReconfigurableGroup(self.runtime.member, self.runtime.transport.timeout, "repl")
         self.replicator = RingReplicator(side, replicate_every_n_steps)
         self.runtime.side_transports.append(self.replicator.side)
-        self.runtime.rank_state = None  # carried by the replication round instead (with the shard)
+        self.runtime.rank_state = None  # this strategy's copies carry each step's gradient too
+        self.ring_copies = RankStateRing(keep_votes=False)  # the predecessor's own state and gradient log
+        self.committing = False  # in the commit of a step, its gradient reduced and not applied
+        self._committed = True  # this step's commit is done (the optimizer stepped, or it was skipped)
+        self._precision_before: dict | None = None  # the precision plugin's state before the step's update
         self.sharded = ShardedState(self)
         self.relay: PoisoningGroup | None = None
         self.fetcher: ReplayFetcher | None = None
@@ -138,6 +148,9 @@ class TorchPassFSDPStrategy(ShardedCheckpoints, PoisonedCollectives, TorchPassDD
         shard_children(self.lightning_module, self._policy, {"mesh": mesh, **self._shard_kwargs})
         if trainer.state.fn == TrainerFn.FITTING:
             ParallelStrategy.setup_optimizers(self, trainer)
+            for optimizer in self.optimizers:
+                closure_first(optimizer)
+                optimizer.register_step_pre_hook(lambda optimizer, args, kwargs: self._commit(optimizer, True))
         self.setup_precision_plugin()
         refuse_unsupported(trainer)
 
@@ -178,6 +191,8 @@ class TorchPassFSDPStrategy(ShardedCheckpoints, PoisonedCollectives, TorchPassDD
                     self._boundary(trainer.global_step)
                 faults.point("data")
                 advance(data_fetcher)
+            except StepDiscarded:  # recovered in its commit
+                self._rewound = True
             except StepFailed as exc:
                 self._recover(str(exc))
                 self._rewound = True
@@ -192,9 +207,8 @@ class TorchPassFSDPStrategy(ShardedCheckpoints, PoisonedCollectives, TorchPassDD
         self.relay.after_step = None
         self.runtime.boundary(step)
         self.sharded.adopt_entering_own()
-        self.sharded.own[step] = self.sharded.state_dict()
+        self._copy_own_state(step)
         self._raise_if_failed()
-        self._exchange_signals(step)
         if self.runtime.drain_due(step) is not None:
             self._carry_out_drain(step)
             return self._boundary(step)  # again, with the spare: its first boundary makes the same collectives
@@ -204,15 +218,7 @@ class TorchPassFSDPStrategy(ShardedCheckpoints, PoisonedCollectives, TorchPassDD
         oldest = min(self.replicator.own, default=step)
         self.fetcher.forget_before(oldest)
         self.sharded.forget_before(oldest)
-
-    def _exchange_signals(self, step: int) -> None:
-        """Planned migrations and step times (:class:`StepSignals`): one small all-reduce per step, the
-        only collective of the boundary (DDP carries them on its commit vote instead)."""
-        try:
-            self.runtime.exchange_signals(step)
-        except PeerFailure as exc:
-            self.relay.poisoned = str(exc)
-            self._raise_if_failed()
+        self.ring_copies.forget_votes_before(min(self.replicator.replicas, default=0))
 
     def _carry_out_drain(self, step: int) -> None:
         """A planned migration at this boundary: first every shard of this boundary is on its ring
@@ -233,7 +239,6 @@ class TorchPassFSDPStrategy(ShardedCheckpoints, PoisonedCollectives, TorchPassDD
             return
         try:
             shard = local_parts(capture(self.training_state(complete=False), leave_out=(TRAINER, OWN)))
-            shard[OWN] = self.sharded.own[step]
             self.replicator.start_round(step, shard, self.sharded.host_now())
             if wait:
                 self.replicator.fence()
@@ -256,11 +261,14 @@ class TorchPassFSDPStrategy(ShardedCheckpoints, PoisonedCollectives, TorchPassDD
         def closure_then_check() -> Any:
             result = closure()
             self._before_reduce()  # a step without gradients still fences its round
-            faults.point("commit")
             self._raise_if_failed()
+            self._precision_before = self.precision_plugin.state_dict()
+            self._committed = False
             return result
 
         result = ParallelStrategy.optimizer_step(self, optimizer, closure_then_check, model, **kwargs)
+        if not self._committed:  # the optimizer did not step (a loss scaler skipped it): commit that
+            self._commit(optimizer, stepped=False)
         self.relay.after_step = self.runtime.last_boundary  # applied: nothing until the next boundary is retried
         faults.point("optimizer")
         return result
@@ -272,7 +280,7 @@ class TorchPassFSDPStrategy(ShardedCheckpoints, PoisonedCollectives, TorchPassDD
         while True:
             if self._failure() is None:
                 self.runtime.boundary(step)
-                self.sharded.own[step] = self.sharded.state_dict()
+                self._copy_own_state(step)
                 self._replicate(step, wait=True)
                 self.barrier("torchpass.fit_end")
             failure = self._failure()
@@ -281,7 +289,8 @@ class TorchPassFSDPStrategy(ShardedCheckpoints, PoisonedCollectives, TorchPassDD
                 replicator = self.replicator
                 self.runtime.events.emit("replica_memory", rank=self.global_rank, bytes=replicator.host_bytes(),
                                          rounds_kept=len(replicator.own) + len(replicator.replicas),
-                                         abandoned_bytes=replicator.abandoned_bytes)
+                                         abandoned_bytes=replicator.abandoned_bytes,
+                                         log_bytes=self.ring_copies.peak_bytes)
                 return
             if self._recover(failure) != step:
                 raise Unrecoverable(

@@ -1,8 +1,10 @@
 """``torchpass_fsdp``'s recovery plan, run by :meth:`Runtime.recover`.
 
-Rows are :class:`ShardRow`, the decision a :class:`ShardAgreement`: the newest step every shard has a
-copy of. The exchange moves each lost shard from the ring successor holding its replica and the rest of
-the state from a donor; survivors then restore that step in memory, and the fit loop re-runs from it.
+Rows are :class:`ShardRow`, the decision a :class:`ShardAgreement`: the newest step every shard can be
+brought to. The exchange moves each lost shard, its replica replayed to that step, and the lost rank's own
+state from the ring successor holding them, and the rest of the state from a donor. A survivor that stands
+in the commit of the step before it applies that step as it would have; the others restore the step in
+memory, and the fit loop runs it (again) from its boundary.
 """
 
 from __future__ import annotations
@@ -13,10 +15,11 @@ from typing import TYPE_CHECKING, Any
 from torch import Tensor
 
 from torchpass_plugins._compat.lightning import rewind_loops
+from torchpass_plugins.core.gradient_log import producible
 from torchpass_plugins.core.interfaces import Phase
 from torchpass_plugins.core.process_group import PeerFailure
-from torchpass_plugins.core.sharded_recovery import ShardAgreement, ShardRow
-from torchpass_plugins.core.state_transfer import recv_state, send_packed, send_state, unpack
+from torchpass_plugins.core.sharded_recovery import NONE, ShardAgreement, ShardRow
+from torchpass_plugins.core.state_transfer import recv_state, send_state, unpack
 from torchpass_plugins.core.training_state import MODEL, OPTIMIZER, TRAINER
 from torchpass_plugins.testing import faults
 
@@ -29,7 +32,7 @@ class ShardedPlan:
 
     def __init__(self, strategy: TorchPassFSDPStrategy) -> None:
         self.strategy = strategy
-        self.shard: dict[str, Any] = {}  # a spare's: the lost shard, from the ring successor
+        self.shard: dict[str, Any] = {}  # a spare's: the lost shard and own state, from the ring successor
 
     def prepare(self) -> None:
         try:
@@ -42,7 +45,8 @@ class ShardedPlan:
         if rt.is_spare:
             return ShardRow(spare=True).to_tensor()
         applied = s.lightning_module.trainer.global_step
-        row = ShardRow(False, applied, rt.last_boundary, tuple(s.replicator.own), tuple(s.replicator.replicas))
+        predecessor = producible(list(s.replicator.replicas), s.ring_copies.logged()) or (NONE, NONE)
+        row = ShardRow(False, applied, rt.last_boundary, s.committing, tuple(s.replicator.own), predecessor)
         return row.to_tensor()
 
     def decide(self, rows: list[Tensor]) -> ShardAgreement:
@@ -56,12 +60,12 @@ class ShardedPlan:
         s, rt, step = self.strategy, self.strategy.runtime, a.restore_step
         for lost, source in sorted(a.sources.items()):
             if rt.rank == source:
-                packed = s.replicator.replicas[step]
                 faults.point("donor")
                 t0 = time.perf_counter()
-                nbytes = send_packed(rt.transport, packed.meta, packed.payload, lost)
+                shard, replayed = s.predecessor_shard(step)
+                nbytes = send_state(rt.transport, shard, lost)
                 rt.events.emit("state_sent", rank=rt.rank, to=lost, kind="shard", bytes=nbytes,
-                               seconds=time.perf_counter() - t0)
+                               seconds=time.perf_counter() - t0, steps_replayed=replayed)
             elif rt.rank == lost:
                 faults.point("promoted")
                 t0 = time.perf_counter()
@@ -71,20 +75,26 @@ class ShardedPlan:
         for lost in sorted(a.sources):
             if rt.rank == a.donor:
                 faults.point("donor")
-                nbytes = send_state(rt.transport, s.training_state(step=step)[TRAINER].state_dict(), lost)
+                parts = s.training_state(step=step)
+                # a replayed shard's hyperparameters are those of its last step: the donor's are the boundary's
+                groups = parts[OPTIMIZER].state_dict()["param_groups"] if rt.last_boundary == step else None
+                nbytes = send_state(rt.transport, {TRAINER: parts[TRAINER].state_dict(), "groups": groups}, lost)
                 rt.events.emit("state_sent", rank=rt.rank, to=lost, kind="host", bytes=nbytes)
             elif rt.rank == lost:
-                trainer, nbytes = recv_state(rt.transport, a.donor)
+                host, nbytes = recv_state(rt.transport, a.donor)
                 rt.events.emit("state_received", rank=rt.rank, src=a.donor, kind="host", bytes=nbytes)
-                s.adapter.load_state({**self.shard, TRAINER: trainer})
+                if host["groups"] is not None:
+                    self.shard[OPTIMIZER]["param_groups"] = host["groups"]
+                s.adapter.load_state({**self.shard, TRAINER: host[TRAINER]})
 
     def finish(self, a: ShardAgreement) -> tuple[int, dict[str, Any]]:
         s, rt = self.strategy, self.strategy.runtime
         if rt.is_spare:
             rt.phase = Phase.ENTERING  # the survivors make no collective until its first boundary
-        else:
+        elif not (s.committing and a.restore_step == rt.last_boundary + 1):  # else: it applies the step
             self._restore(a.restore_step)
         s.replicator.reset()
+        s.ring_copies.clear()
         s.relay.heal()
         return a.restore_step, {**self.describe(a), "steps_rolled_back": a.lost_steps}
 

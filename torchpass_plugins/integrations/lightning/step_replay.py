@@ -19,6 +19,10 @@ class StepFailed(RuntimeError):
     """A collective of this step failed: the step is discarded before its optimizer update."""
 
 
+class StepDiscarded(StepFailed):
+    """The recovery from a failure in this step's commit restored its boundary: the step runs again."""
+
+
 _OWN = ("_fetcher", "_log", "_cursor", "_replayed_done", "tag", "first_tag")
 
 

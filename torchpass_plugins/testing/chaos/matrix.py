@@ -24,7 +24,8 @@ and every optimizer step applied; the classes say what it cost:
   never struck (the scenario tested nothing).
 
 A scenario's ``workers_lost`` counts the workers the job declared lost; the headline is, per strategy, the share
-of single losses that ended ``zero-rollback``.
+of the one-fault scenarios (a fault in a step or in a background thread) that lost one worker and ended
+``zero-rollback``.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ from pathlib import Path
 
 from torchpass_plugins.testing.chaos import jobs
 from torchpass_plugins.testing.chaos.oracle import differences
-from torchpass_plugins.testing.chaos.scenario import SNAPSHOT_EVERY, STEPS, WORLD, Scenario, draw
+from torchpass_plugins.testing.chaos.scenario import SINGLE_FAULT, SNAPSHOT_EVERY, STEPS, WORLD, Scenario, draw
 from torchpass_plugins.testing.faults import PHASES
 
 BOUND_S = 150.0  # per job: far above a scenario's worst legitimate time (a hang timeout plus a restart)
@@ -234,17 +235,17 @@ def run_matrix(seed: int, indices: Iterable[int], work: Path, log=print) -> list
 
 
 def summary(results: list[Result], seed: int) -> str:
-    """The zero-rollback rate of single losses per strategy, the classes per strategy, counts per phase and
-    fault (Markdown), then the replay command of every failure."""
+    """Per strategy, the zero-rollback rate of single failures that lost a worker and the classes; counts per
+    phase and fault (Markdown), then the replay command of every failure."""
     strategies = sorted({r.strategy for r in results})
     outcomes = Counter(r.outcome for r in results)
     lines = [f"{len(results)} scenarios (seed {seed}): {outcomes['failure']} failure(s).", ""]
     for strategy in strategies:
-        single = [r for r in results if r.strategy == strategy and r.workers_lost == 1]
+        single = [r for r in results if r.strategy == strategy and r.kind in SINGLE_FAULT and r.workers_lost == 1]
         live = sum(r.outcome == "zero-rollback" for r in single)
         share = f" ({100 * live / len(single):.0f}%)" if single else ""
-        lines.append(f"- `{strategy}`: a single lost worker replaced with zero rollback in {live} of {len(single)}"
-                     f" scenarios{share}")  # fmt: skip
+        lines.append(f"- `{strategy}`: a single failure that lost a worker, replaced with zero rollback in {live} of "
+                     f"{len(single)} scenarios{share}")  # fmt: skip
     shown = [o for o in OUTCOMES if outcomes[o]]
     lines += ["", "| strategy | " + " | ".join(shown) + " |", "|---|" + "---|" * len(shown)]
     for strategy in strategies:

@@ -22,6 +22,7 @@ _ACTIONS = {"kill": 3, "exit": 1, "raise": 1, "stop": 1, "spin": 1, "stall": 1, 
 # A scenario's kind: a fault in a training step, in a background thread, in a recovery (a second fault
 # striking while the first is being repaired), or two ranks killed at once (more failures than spares).
 _KINDS = {"step": 6, "background": 2, "recovery": 3, "double": 1}
+SINGLE_FAULT = ("step", "background")  # the kinds with one fault
 SLOW_S = 0.3
 
 

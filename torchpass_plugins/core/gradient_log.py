@@ -1,0 +1,79 @@
+"""The gradient log of fully sharded training: a lost shard rebuilt as of the step the job is at.
+
+A ring replica is a rank's shard state as of some step boundary, and it is copied in the background, so
+it can be a step or more behind (``replicate_every_n_steps > 1``, or a round still in flight). Every
+optimizer step, before the commit vote, each rank also hands its ring successor what that step applied to
+its shard: the gradient as the optimizer took it (reduced, unscaled, clipped) and its parameter groups'
+hyperparameters, a shard-sized message. The optimizer step is deterministic, so the successor can replay
+the steps since its replica on a copy of it and produce the lost shard as of any later boundary whose
+steps it logged. Since a rank enters the vote only after that exchange, a step that some rank applied is
+one whose gradient every successor holds: the survivors never roll back (:mod:`sharded_recovery`). The
+replica only bounds the length of the replay.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.optim import Optimizer
+
+from torchpass_plugins.core.training_state import MODEL, OPTIMIZER, local_part
+
+
+def applied_gradient(optimizer: Optimizer, names: dict[int, str], skip: frozenset[str]) -> dict[str, Any]:
+    """What ``optimizer`` is about to apply to this rank's shard (called just before its step): the local
+    part of each gradient by parameter name, and each group's hyperparameters."""
+    grads = {names[id(p)]: local_part(p.grad).detach().clone()
+             for group in optimizer.param_groups for p in group["params"]
+             if p.grad is not None and names[id(p)] not in skip}
+    return {"grads": grads, "groups": hyperparameters(optimizer)}
+
+
+def hyperparameters(optimizer: Optimizer) -> list[dict[str, Any]]:
+    return [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
+
+
+def producible(replica_steps: list[int], logged: set[int]) -> tuple[int, int] | None:
+    """The boundaries the holder can bring its predecessor's shard to, as ``(first, last)``: from its newest
+    replica, or an older one whose logged steps reach past it, on through every logged step."""
+    best = None
+    for start in sorted(replica_steps):
+        end = start
+        while end in logged:
+            end += 1
+        if best is None or end > best[1]:
+            best = (start, end)
+    return best
+
+
+def replay(shard: dict[str, Any], steps: list[dict[str, Any]], like: Optimizer) -> dict[str, Any]:
+    """The shard state ``shard`` (the model and optimizer parts, local tensors) after the logged ``steps``,
+    stepped by an optimizer of ``like``'s class and defaults (the lost rank's: every rank builds the same);
+    a step logged without gradients (a loss scaler skipped it) changes nothing."""
+    params = {name: nn.Parameter(value.clone(), requires_grad=value.is_floating_point())
+              for name, value in shard[MODEL].items() if isinstance(value, torch.Tensor)}
+    saved = shard[OPTIMIZER]
+    groups = [{**{k: v for k, v in g.items() if k != "params"},
+               "params": [params[n] for n in g["params"] if n in params]} for g in saved["param_groups"]]
+    optimizer = type(like).__new__(type(like))
+    Optimizer.__init__(optimizer, groups, dict(like.defaults))  # not the class's own: its signature is its own
+    for name, state in saved["state"].items():
+        if name in params:
+            optimizer.state[params[name]] = {k: v.clone() if isinstance(v, torch.Tensor) else v
+                                             for k, v in state.items()}
+    for step in steps:
+        for group, hyper in zip(optimizer.param_groups, step["groups"], strict=True):
+            group.update(hyper)
+        if step["grads"] is None:
+            continue
+        for name, p in params.items():
+            p.grad = step["grads"].get(name)
+        optimizer.step()
+    model = {**shard[MODEL], **{name: p.detach() for name, p in params.items()}}
+    state = {name: dict(optimizer.state[p]) for name, p in params.items() if p in optimizer.state}
+    names = [g["params"] for g in saved["param_groups"]]
+    return {**shard, MODEL: model, OPTIMIZER: {
+        "state": state,
+        "param_groups": [{**hyper, "params": n} for hyper, n in zip(hyperparameters(optimizer), names, strict=True)]}}
