@@ -37,7 +37,9 @@ class MLP(L.LightningModule):
 
     def configure_model(self) -> None:
         """Under Lightning's ``ModelParallelStrategy`` (plain FSDP2): shard as ``torchpass_fsdp`` does with
-        ``auto_wrap_policy={nn.Linear}``, each ``nn.Linear`` one unit, then the root."""
+        ``auto_wrap_policy={nn.Linear}``: each ``nn.Linear`` one unit, FSDP2's defaults. The LightningModule
+        is sharded last, as users do; it holds no parameters and ``training_step`` calls ``self.net``, so
+        under both strategies each layer runs as its own FSDP2 root."""
         if not isinstance(self.trainer.strategy, ModelParallelStrategy):
             return
         mesh = self.device_mesh["data_parallel"]

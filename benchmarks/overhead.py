@@ -1,11 +1,12 @@
 """Steady-state step time: each torchpass strategy against its plain Lightning counterpart.
 
-No failure is injected: this is the price of being recoverable. Two pairs on the same model, data and seed:
+No failure is injected: this is the price of being recoverable. Two groups on the same model, data and seed:
 ``torchpass_ddp`` (``torchpass launch``) vs Lightning's ``ddp`` (torchrun), and ``torchpass_fsdp`` with ring
-replication every step vs plain FSDP2 (Lightning's ``ModelParallelStrategy``, ``fully_shard`` on each
-``nn.Linear`` as ``torchpass_fsdp`` does, torchrun); for a small MLP and a ~105M-parameter one. Each worker
+replication off and every step (``torchpass_fsdp+replicas``: a replica round and the gradient log every
+step) vs plain FSDP2 (Lightning's ``ModelParallelStrategy``, ``fully_shard`` on each ``nn.Linear`` as
+``torchpass_fsdp`` does, torchrun); for a small MLP and a ~105M-parameter one. Each worker
 is pinned to one core (its slot mod cores; by default 2 ranks, one per core, as one process per GPU on a
-cluster). Runs alternate torchpass / plain within each pair, so slow drifts of the machine hit both alike.
+cluster). Runs alternate within each group, so slow drifts of the machine hit every contender alike.
 Rank 0 records ``perf_counter`` after every optimizer step; a run's step time is the median of the
 step-to-step deltas after the warmup steps, and each side's figure is the median over its runs.
 
@@ -44,15 +45,25 @@ from _harness import (
     worker_env,
 )
 
-PAIRS = {"ddp": ("torchpass_ddp", "ddp"), "fsdp": ("torchpass_fsdp", "fsdp2")}
+# Each group: torchpass's contenders, then the plain strategy each is compared with.
+PAIRS = {"ddp": ("torchpass_ddp", "ddp"), "fsdp": ("torchpass_fsdp", "torchpass_fsdp+replicas", "fsdp2")}
+STRATEGY_ARGS = {
+    "torchpass_ddp": ("--strategy", "torchpass_ddp"),
+    "ddp": ("--strategy", "ddp"),
+    "torchpass_fsdp": ("--strategy", "torchpass_fsdp", "--replicate-every", "0"),
+    "torchpass_fsdp+replicas": ("--strategy", "torchpass_fsdp", "--replicate-every", "1"),
+    "fsdp2": ("--strategy", "fsdp2"),
+}
 WHAT_DIFFERS = {
     "ddp": "both overlap bucketed gradient all-reduces with backward; `torchpass_ddp` keeps its buckets fixed "
            "(4 MB), reduces a copy (the local gradients stay intact for a retry) and commits each step with a "
            "small all-reduce (the commit vote, which also carries migration flags and step times); Lightning's "
            "`ddp` broadcasts a one-element tensor each step (its SIGTERM check)",
-    "fsdp": "the same FSDP2 units and collectives; `torchpass_fsdp` routes them through its relay group (so a "
-            "failure can break them), packs its shard state after every optimizer step, in a background "
-            "thread, into memory that its ring neighbour maps, and all-reduces a small vector at each step boundary",
+    "fsdp": "the same FSDP2 units, settings and collectives; `torchpass_fsdp` routes them through its relay group "
+            "(so a failure can break them), hands its ring successor its rank-local state at each boundary and "
+            "commit, and commits each step with a small all-reduce; `torchpass_fsdp+replicas` also sends the "
+            "successor each step's gradient shard in the commit (the gradient log) and packs its shard state "
+            "after every optimizer step, in a background thread, into memory that its ring neighbour maps",
 }
 
 
@@ -90,7 +101,7 @@ def run_once(size: Size, strategy: str, ranks: int, work: Path, rep: int,
              extra: tuple[str, ...] = ("--pin",)) -> Result:
     """One timed run; ``extra``: more ``bench_train.py`` flags (by default each worker pinned to a core)."""
     out = work / "out"
-    args = ["--strategy", strategy, "--devices", str(ranks), "--max-steps", str(size.steps), "--accumulate", "1",
+    args = [*STRATEGY_ARGS[strategy], "--devices", str(ranks), "--max-steps", str(size.steps), "--accumulate", "1",
             *extra, *size.model_args(), "--out", str(out)]
     cmd = torchpass_cmd(ranks, 0, work / "run", args) if strategy.startswith("torchpass") else torchrun_cmd(ranks, args)
     code = run_bounded(cmd, worker_env(steady=True), size.timeout_s, work / "launcher.log")
@@ -128,8 +139,8 @@ def render(sizes: list[Size], pairs: list[str], ranks: int, results: list[Result
         f"batch {sizes[0].batch_size} per rank, no gradient accumulation, AdamW, gloo, one intra-op thread per "
         f"worker, no logging or checkpointing; {STEADY_NOTE}. Models: {models}.",
         "- Step time: median of rank 0's step-to-step `perf_counter` deltas after warmup; a side's figure is "
-        "the median over its runs; each repetition runs torchpass and plain back to back (in turn first). "
-        "Ratio: the median over repetitions of torchpass / plain within the repetition, with a 95% "
+        "the median over its runs; each repetition runs a group's contenders back to back (in reverse order every "
+        "other repetition). Ratio: the median over repetitions of torchpass / plain within the repetition, with a 95% "
         "distribution-free interval for that median (`median_ci` in `_harness.py`).",
         *(f"- What differs ({p}): {WHAT_DIFFERS[p]}." for p in pairs),
         "",
@@ -146,13 +157,16 @@ def render(sizes: list[Size], pairs: list[str], ranks: int, results: list[Result
                 p10, p90 = statistics.median(r.p10_ms for r in rs), statistics.median(r.p90_ms for r in rs)
                 lines.append(f"| {size.name} | `{s}` | {launch_of(s, ranks)} | {len(rs)} | {m:.1f} | {lo:.1f}-{hi:.1f} "
                              f"| {p10:.1f}-{p90:.1f} |")
-        mine, plain = by.values()
-        per_pair = [a.median_ms / b.median_ms for a in mine for b in plain if a.rep == b.rep]
-        if per_pair:
-            ratio, lo, hi = median_ci(per_pair)
-            of_medians = summarize(r.median_ms for r in mine)[0] / summarize(r.median_ms for r in plain)[0]
-            ratios.append(f"| {size.name} | `{PAIRS[pair][0]}` / `{PAIRS[pair][1]}` | **{ratio:.3f}** "
-                          f"| {lo:.3f}-{hi:.3f} | {min(per_pair):.3f}-{max(per_pair):.3f} | {of_medians:.3f} |")
+        *contenders, baseline = PAIRS[pair]
+        plain = by[baseline]
+        for contender in contenders:
+            mine = by[contender]
+            per_pair = [a.median_ms / b.median_ms for a in mine for b in plain if a.rep == b.rep]
+            if per_pair:
+                ratio, lo, hi = median_ci(per_pair)
+                of_medians = summarize(r.median_ms for r in mine)[0] / summarize(r.median_ms for r in plain)[0]
+                ratios.append(f"| {size.name} | `{contender}` / `{baseline}` | **{ratio:.3f}** "
+                              f"| {lo:.3f}-{hi:.3f} | {min(per_pair):.3f}-{max(per_pair):.3f} | {of_medians:.3f} |")
     lines += ["", "| Model | Step time ratio | Median over repetitions | 95% interval | Min-max | Ratio of the "
               "sides' medians |", "|---|---|---|---|---|---|", *ratios, ""]
     if failures:

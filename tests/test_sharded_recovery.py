@@ -11,6 +11,7 @@ import torch
 from torchpass_plugins.control.membership import Unrecoverable
 from torchpass_plugins.core.gradient_log import applied_gradient, producible, replay
 from torchpass_plugins.core.sharded_recovery import NONE, ShardAgreement, ShardRow
+from torchpass_plugins.core.state_transfer import pack, unpack
 from torchpass_plugins.core.training_state import MODEL, OPTIMIZER, ModelState, OptimizerState, capture
 from torchpass_plugins.integrations.lightning.step_replay import ReplayFetcher
 
@@ -96,7 +97,7 @@ def test_replaying_logged_gradients_on_a_replica_is_the_live_optimizer_bit_for_b
         optimizer.zero_grad()
         model(torch.randn(8, 4)).square().mean().backward()
         if step >= 2:
-            logged.append(applied_gradient(optimizer, names, frozenset()))
+            logged.append(unpack(*pack(applied_gradient(optimizer, names, frozenset()))))  # as the holder gets it
         optimizer.step()
         scheduler.step()  # changes the learning rate between steps: the log carries each step's
     replayed = replay(replica, logged, optimizer)

@@ -24,8 +24,9 @@ from torchpass_plugins.core.training_state import MODEL, OPTIMIZER, local_part
 
 def applied_gradient(optimizer: Optimizer, names: dict[int, str], skip: frozenset[str]) -> dict[str, Any]:
     """What ``optimizer`` is about to apply to this rank's shard (called just before its step): the local
-    part of each gradient by parameter name, and each group's hyperparameters."""
-    grads = {names[id(p)]: local_part(p.grad).detach().clone()
+    part of each gradient by parameter name (views: the exchange packs them before the step), and each
+    group's hyperparameters."""
+    grads = {names[id(p)]: local_part(p.grad).detach()
              for group in optimizer.param_groups for p in group["params"]
              if p.grad is not None and names[id(p)] not in skip}
     return {"grads": grads, "groups": hyperparameters(optimizer)}

@@ -1,9 +1,8 @@
 """Planned migrations and step times, carried by a collective every step makes anyway.
 
-Each rank contributes a row to a sum every rank receives (``torchpass_ddp`` and ``TorchPass`` append it to
-the commit vote, ``torchpass_fsdp`` all-reduces it at the boundary), so every rank reads the same total
-and takes the same decisions without a message of its own: which rank moves to a spare at which
-boundary, and which ranks are stragglers. The straggler verdict is an observation sent to the
+Each rank contributes a row to a sum every rank receives (every strategy appends it to its commit vote),
+so every rank reads the same total and takes the same decisions without a message of its own: which rank
+moves to a spare at which boundary, and which ranks are stragglers. The straggler verdict is an observation sent to the
 coordinator; whether the rank moves is the coordinator's decision.
 """
 

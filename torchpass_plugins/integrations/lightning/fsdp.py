@@ -68,7 +68,8 @@ class TorchPassFSDPStrategy(LoggedCommit, ShardedCheckpoints, PoisonedCollective
             longer replay and the successor more memory, never a rollback.
         state_filter: model-aware mode: ``(name, param) -> bool`` selects the parameters whose shard state
             is replicated and handed over; the others are assumed unchanged since the spare built them.
-        reshard_after_forward, mp_policy, offload_policy: passed to ``fully_shard``.
+        reshard_after_forward, mp_policy, offload_policy: passed to ``fully_shard`` when given; left out,
+            FSDP2's defaults hold, as under Lightning's ``ModelParallelStrategy``.
         process_group_backend: the backend of the CUDA tensors' group (``nccl`` unless given), as Lightning.
     """
 
@@ -85,7 +86,7 @@ class TorchPassFSDPStrategy(LoggedCommit, ShardedCheckpoints, PoisonedCollective
         auto_wrap_policy: WrapPolicy = None,
         replicate_every_n_steps: int = 1,
         state_filter: Optional[StateFilter] = None,
-        reshard_after_forward: bool = True,
+        reshard_after_forward: Union[bool, int, None] = None,
         mp_policy: Optional[MixedPrecisionPolicy] = None,
         offload_policy: Optional[OffloadPolicy] = None,
         process_group_backend: Optional[str] = None,
@@ -96,7 +97,9 @@ class TorchPassFSDPStrategy(LoggedCommit, ShardedCheckpoints, PoisonedCollective
                          process_group_backend=process_group_backend)
         self._policy = auto_wrap_policy
         self.state_filter = state_filter
-        self._shard_kwargs: dict[str, Any] = {"reshard_after_forward": reshard_after_forward}
+        self._shard_kwargs: dict[str, Any] = {}
+        if reshard_after_forward is not None:
+            self._shard_kwargs["reshard_after_forward"] = reshard_after_forward
         if mp_policy is not None:
             self._shard_kwargs["mp_policy"] = mp_policy
         if offload_policy is not None:
@@ -218,7 +221,7 @@ class TorchPassFSDPStrategy(LoggedCommit, ShardedCheckpoints, PoisonedCollective
         oldest = min(self.replicator.own, default=step)
         self.fetcher.forget_before(oldest)
         self.sharded.forget_before(oldest)
-        self.ring_copies.forget_votes_before(min(self.replicator.replicas, default=0))
+        self.ring_copies.forget_votes_before(min(self.replicator.replicas, default=step))  # none replayable
 
     def _carry_out_drain(self, step: int) -> None:
         """A planned migration at this boundary: first every shard of this boundary is on its ring
