@@ -124,6 +124,7 @@ FEATURE_JOB = Path(__file__).parent / "scripts" / "feature_job.py"
         ("iterable", "torchpass_ddp", "reads an IterableDataset"),
         ("manual", "torchpass_fsdp", "manual optimization (automatic_optimization = False) is not supported"),
         ("lbfgs", "torchpass_ddp", "the LBFGS optimizer is not supported"),
+        ("capturable", "torchpass_fsdp", "AdamW(capturable=True) cannot be replayed"),
         ("own_sampler", "torchpass_ddp", "a sampler with set_epoch (Lightning's DistributedSampler"),
     ],
 )

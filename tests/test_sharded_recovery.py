@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from torchpass_plugins.control.membership import Unrecoverable
-from torchpass_plugins.core.gradient_log import applied_gradient, producible, replay
+from torchpass_plugins.core.gradient_log import applied_gradient, producible, replay, replay_refusal
 from torchpass_plugins.core.sharded_recovery import NONE, ShardAgreement, ShardRow
 from torchpass_plugins.core.state_transfer import pack, unpack
 from torchpass_plugins.core.training_state import MODEL, OPTIMIZER, ModelState, OptimizerState, capture
@@ -179,3 +179,13 @@ def test_rolling_back_to_before_the_first_step_drops_the_optimizer_state_taken_s
     step()
     for name, tensor in model.state_dict().items():
         assert torch.equal(tensor, after_one[name]), name
+
+
+def test_an_optimizer_the_log_cannot_replay_is_named_with_the_fix():
+    params = [torch.nn.Parameter(torch.zeros(3))]
+    assert replay_refusal(torch.optim.AdamW(params), scaled=True) is None
+    assert replay_refusal(torch.optim.AdamW(params, fused=True), scaled=False) is None  # no loss scale to miss
+    why = replay_refusal(torch.optim.AdamW(params, fused=True), scaled=True)
+    assert "AdamW(fused=True)" in why and "AdamW(fused=False)" in why
+    assert "capturable" in replay_refusal(torch.optim.Adam(params, capturable=True), scaled=False)
+    assert "differentiable" in replay_refusal(torch.optim.SGD(params, lr=0.1, differentiable=True), scaled=False)

@@ -12,7 +12,7 @@ from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 
 from torchpass_plugins import TorchPassCallback
 
-FEATURES = ("iterable", "manual", "lbfgs", "crash_loop", "own_sampler")
+FEATURES = ("iterable", "manual", "lbfgs", "capturable", "crash_loop", "own_sampler")
 
 
 class Stream(IterableDataset):
@@ -48,6 +48,8 @@ class Model(L.LightningModule):
             return [torch.optim.SGD(self.net.parameters(), lr=0.1), torch.optim.SGD(self.head.parameters(), lr=0.1)]
         if self.feature == "lbfgs":
             return torch.optim.LBFGS(self.parameters())
+        if self.feature == "capturable":  # torchpass_fsdp's gradient log could not replay its steps
+            return torch.optim.AdamW(self.parameters(), capturable=True)
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 

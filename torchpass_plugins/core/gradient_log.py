@@ -32,6 +32,20 @@ def applied_gradient(optimizer: Optimizer, names: dict[int, str], skip: frozense
     return {"grads": grads, "groups": hyperparameters(optimizer)}
 
 
+def replay_refusal(optimizer: Optimizer, scaled: bool) -> str | None:
+    """Why the holder's replay could not take ``optimizer``'s steps as the live run does (``scaled``: a loss
+    scaler is in use), or ``None``. A fused step takes the loss scale inside the step, after the commit has
+    logged the gradient still scaled; a capturable or differentiable step cannot run on the host copy."""
+    name, defaults = type(optimizer).__name__, optimizer.defaults
+    if scaled and defaults.get("fused"):
+        return (f"{name}(fused=True) unscales the gradients inside its step, so the ring neighbour's log of "
+                f"them would be scaled; with a loss scaler (precision='16-mixed') use {name}(fused=False)")
+    for flag in ("capturable", "differentiable"):
+        if defaults.get(flag):
+            return f"{name}({flag}=True) cannot be replayed on the ring neighbour's host copy; leave {flag} off"
+    return None
+
+
 def hyperparameters(optimizer: Optimizer) -> list[dict[str, Any]]:
     return [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
 

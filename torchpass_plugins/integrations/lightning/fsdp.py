@@ -32,6 +32,7 @@ from torchpass_plugins._compat.lightning import apply_layer_sync, refuse_unsuppo
 from torchpass_plugins.control.membership import Unrecoverable
 from torchpass_plugins.core import default_group
 from torchpass_plugins.core.default_group import PoisoningGroup
+from torchpass_plugins.core.gradient_log import replay_refusal
 from torchpass_plugins.core.process_group import PeerFailure, ReconfigurableGroup
 from torchpass_plugins.core.rank_state import RankStateRing
 from torchpass_plugins.core.ring_replication import RingReplicator
@@ -156,6 +157,10 @@ class TorchPassFSDPStrategy(LoggedCommit, ShardedCheckpoints, PoisonedCollective
                 optimizer.register_step_pre_hook(lambda optimizer, args, kwargs: self._commit(optimizer, True))
         self.setup_precision_plugin()
         refuse_unsupported(trainer)
+        scaled = getattr(self.precision_plugin, "scaler", None) is not None
+        for optimizer in self.optimizers if self.replicator.every else ():
+            if (why := replay_refusal(optimizer, scaled)) is not None:
+                raise ConfigError(f"torchpass: {why} (or set replicate_every_n_steps=0: a loss then stops the job)")
 
     @override
     def _broadcast_parameters(self) -> None:
