@@ -111,6 +111,7 @@ class TorchPassFSDPStrategy(LoggedCommit, ShardedCheckpoints, PoisonedCollective
         self.runtime.rank_state = None  # this strategy's copies carry each step's gradient too
         self.ring_copies = RankStateRing(keep_votes=False)  # the predecessor's own state and gradient log
         self.committing = False  # in the commit of a step, its gradient reduced and not applied
+        self.logged_names: tuple[dict[int, str], frozenset[str]] | None = None  # parameter names, skipped ones
         self._committed = True  # this step's commit is done (the optimizer stepped, or it was skipped)
         self._precision_before: dict | None = None  # the precision plugin's state before the step's update
         self.sharded = ShardedState(self)

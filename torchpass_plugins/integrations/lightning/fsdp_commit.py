@@ -44,7 +44,7 @@ def closure_first(optimizer: Optimizer) -> None:
 
 class LoggedCommit:
     """The commit and the ring copies of ``torchpass_fsdp`` (mixed into ``TorchPassFSDPStrategy``, whose
-    ``ring_copies``, ``replicator``, ``sharded``, ``relay`` and recovery it uses)."""
+    ``ring_copies``, ``replicator``, ``sharded``, ``relay``, ``logged_names`` and recovery it uses)."""
 
     def _copy_own_state(self, step: int) -> None:
         """Keep this rank's own state of boundary ``step`` and hand it to the ring successor (with what ran
@@ -67,9 +67,10 @@ class LoggedCommit:
         if failure is None:
             entry: dict[str, Any] = {"own": self.sharded.state_dict(), "step": None}
             if self.replicator.every:
-                names = OptimizerState(self.lightning_module, [optimizer]).names
-                skip = self.sharded.skipped_parameters()
-                entry["step"] = (applied_gradient(optimizer, names, skip) if stepped
+                if self.logged_names is None:  # fixed once the model is sharded: not looked up every step
+                    names = OptimizerState(self.lightning_module, self.optimizers).names
+                    self.logged_names = names, self.sharded.skipped_parameters()
+                entry["step"] = (applied_gradient(optimizer, *self.logged_names) if stepped
                                  else {"grads": None, "groups": hyperparameters(optimizer)})
             self.committing = True
             try:
@@ -99,9 +100,10 @@ class LoggedCommit:
         start = max(s for s in self.replicator.replicas if s <= step)
         packed = self.replicator.replicas[start]
         logged = [self.ring_copies.get("vote", s)["step"] for s in range(start, step)]
-        shard = replay(unpack(packed.meta, packed.payload), logged, self.optimizers[0]) if logged else unpack(
-            packed.meta, packed.payload)
+        shard = unpack(packed.meta, packed.payload)
+        if logged:
+            shard = replay(shard, logged, self.optimizers[0])
         kind, own = self.ring_copies.for_entry(step)
-        shard[OWN] = own["own"] if kind == "vote" else own
-        return {MODEL: shard[MODEL], OPTIMIZER: shard[OPTIMIZER], OWN: shard[OWN]}, step - start
+        own_state = own["own"] if kind == "vote" else own  # a vote copy carries the step's gradient too
+        return {MODEL: shard[MODEL], OPTIMIZER: shard[OPTIMIZER], OWN: own_state}, step - start
 
