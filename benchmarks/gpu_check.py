@@ -10,11 +10,16 @@ compares every logical rank's full state at the end with a failure-free run of t
 - (c) NVML readings of the real GPU through the health source the agents use.
 - (d) snapshot stall with CUDA tensors: what the loop waits for a background snapshot (device -> pinned
   host copies), beside how long writing that snapshot takes (what a synchronous save waits for), in one job.
+- (f) ``torchpass_fsdp``: 3 ranks + 2 spares sharing the GPU over gloo, ring replicas every 4 steps; rank 0
+  SIGKILLed in the optimizer step and rank 2 in backward. The ring successor rebuilds each lost shard from
+  its replica and the logged gradients, replaying the optimizer steps on the GPU (the live run's kernels).
+- (g) in one process: the gradient log's replay of 3 logged optimizer steps against the live steps on the
+  GPU (AdamW foreach and fused, SGD with momentum), bit for bit; and the same replay on the host.
 - (e) with two or more GPUs (``gpu_nccl.py``): the NCCL kill/hang matrix with a survivor, a new
   generation's cost, an abort with a collective stuck on an absent peer (against the abort deadline),
   state to a spare against raw NCCL sends, step time against ``ddp`` and FSDP2.
 
-What it does not cover: ``torchpass_fsdp`` recoveries, ``TorchPass`` (Accelerate), ``SyncBatchNorm`` and
+What it does not cover: ``torchpass_fsdp`` on NCCL, ``TorchPass`` (Accelerate), ``SyncBatchNorm`` and
 ``16-mixed`` on a GPU; with one GPU, NCCL with survivors (one GPU runs one NCCL rank).
 
 It prints one table and writes it to ``docs/gpu.md`` (section ``gpu-check``). Run
@@ -80,6 +85,72 @@ def shared_gpu_over_gloo() -> list[str]:
             f"{'yes' if applied else 'no'}; recovery {_recovery_s(job):.2f} s"]
 
 
+def sharded_over_gloo() -> list[str]:
+    args = (*GPU, "--num-nodes", "3", "--process-group-backend", "gloo", "--strategy", "torchpass_fsdp",
+            "--replicate-every", "4")
+    expected = _job("f-reference", 3, 0, args)
+    job = _job("f-kill", 5, 2, args, faults="kill@rank=0,step=6,phase=optimizer;kill@rank=2,step=9,phase=backward")
+    applied = all(job.applied(r) == list(range(STEPS)) for r in range(3))
+    recovered = job.events("recovered")
+    rolled_back = max((e.get("steps_rolled_back") or 0 for e in recovered), default=0)
+    replayed = [e.get("steps_replayed", 0) for e in job.events("state_sent")]
+    return [f"(f) torchpass_fsdp, 3 ranks + 2 spares, one GPU, gloo, replicas every 4 steps, 2 kills | "
+            f"{_compare(expected, job, 3)}; every step applied once: {'yes' if applied else 'no'}; "
+            f"recovered events (one per rank and recovery) {len(recovered)}, steps rolled back {rolled_back}, "
+            f"logged steps replayed {sum(replayed)}"]
+
+
+def replay_against_live() -> list[str]:
+    device = torch.device("cpu" if GPU[1] == "cpu" else "cuda")
+    makers = {"AdamW (foreach)": lambda ps: torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.01),
+              "AdamW (fused)": lambda ps: torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.01, fused=True),
+              "SGD with momentum": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, weight_decay=1e-4)}
+    return [f"(g) replay of 3 logged steps, {label} | {_replay_case(make, device)}" for label, make in makers.items()]
+
+
+def _host(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().to("cpu", copy=True)
+
+
+def _replay_case(make, device: torch.device) -> str:
+    """Four live steps of ``make``'s optimizer on ``device``; a replica taken after the first (host copies,
+    as the ring holds it) and the other three replayed from their logged gradients, compared bit for bit."""
+    from torch import nn
+
+    from torchpass_plugins.core.gradient_log import hyperparameters, replay
+    from torchpass_plugins.core.training_state import MODEL, OPTIMIZER
+
+    torch.manual_seed(0)
+    params = {"weight": nn.Parameter(torch.randn(512, 512, device=device)),
+              "bias": nn.Parameter(torch.randn(512, device=device))}
+    live = make(list(params.values()))
+    replica, logged = None, []
+    for index in range(4):
+        grad = {n: torch.randn_like(p) for n, p in params.items()}
+        if replica is not None:
+            logged.append({"grads": {n: _host(g) for n, g in grad.items()}, "groups": hyperparameters(live)})
+        for n, p in params.items():
+            p.grad = grad[n]
+        live.step()
+        if index == 0:  # the replica is taken after one step, when the optimizer has state
+            replica = {MODEL: {n: _host(p) for n, p in params.items()}, OPTIMIZER: {
+                "state": {n: {k: _host(v) if torch.is_tensor(v) else v for k, v in live.state[p].items()}
+                          for n, p in params.items()},
+                "param_groups": [{**hyperparameters(live)[0], "params": list(params)}]}}
+
+    def same(like) -> str:
+        got = replay(replica, logged, like)
+        equal = all(torch.equal(got[MODEL][n], _host(p)) and all(
+            torch.equal(v, _host(live.state[p][k])) for k, v in got[OPTIMIZER]["state"][n].items()
+            if torch.is_tensor(v)) for n, p in params.items())
+        return "yes" if equal else "no"
+
+    if device.type == "cpu":
+        return f"bit-exact with the live steps: {same(live)}"
+    on_host = make([nn.Parameter(_host(p)) for p in params.values()])
+    return f"bit-exact with the live steps: {same(live)}; replayed on the host instead: {same(on_host)}"
+
+
 def nccl_restart_on_a_new_communicator() -> list[str]:
     args = (*GPU, "--num-nodes", "1", *NCCL, "--snapshot-every", "2")
     expected = _job("b-reference", 1, 0, (*args, "--snapshot-dir", str(WORK / "b-reference-snapshots")))
@@ -126,8 +197,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--doc", type=Path, default=DOC)
     p.add_argument("--on-cpu", action="store_true",
-                   help="check this script on a machine without a GPU: parts (a), (b), (d) and the first case "
-                        "and the group mechanics of (e) on CPU tensors over gloo, "
+                   help="check this script on a machine without a GPU: parts (a), (b), (d), (f), (g) and the first "
+                        "case and the group mechanics of (e) on CPU tensors over gloo, "
                         "written to benchmarks/out/gpu-check-on-cpu.md (no GPU figures)")
     ns = p.parse_args(argv)
     doc = ns.doc
@@ -145,8 +216,8 @@ def main(argv: list[str] | None = None) -> int:
     info = machine()
     count = torch.cuda.device_count()
     rows, failures = [], []
-    parts = [shared_gpu_over_gloo, nccl_restart_on_a_new_communicator, nvml_readings, snapshot_stall,
-             nccl_with_survivors]
+    parts = [replay_against_live, shared_gpu_over_gloo, sharded_over_gloo, nccl_restart_on_a_new_communicator,
+             nvml_readings, snapshot_stall, nccl_with_survivors]
     if ns.on_cpu:
         parts.remove(nvml_readings)
     for part in parts:

@@ -35,14 +35,15 @@ def applied_gradient(optimizer: Optimizer, names: dict[int, str], skip: frozense
 def replay_refusal(optimizer: Optimizer, scaled: bool) -> str | None:
     """Why the holder's replay could not take ``optimizer``'s steps as the live run does (``scaled``: a loss
     scaler is in use), or ``None``. A fused step takes the loss scale inside the step, after the commit has
-    logged the gradient still scaled; a capturable or differentiable step cannot run on the host copy."""
+    logged the gradient still scaled; a capturable or differentiable step needs state the replay does not
+    rebuild (a graph, CUDA step counts)."""
     name, defaults = type(optimizer).__name__, optimizer.defaults
     if scaled and defaults.get("fused"):
         return (f"{name}(fused=True) unscales the gradients inside its step, so the ring neighbour's log of "
                 f"them would be scaled; with a loss scaler (precision='16-mixed') use {name}(fused=False)")
     for flag in ("capturable", "differentiable"):
         if defaults.get(flag):
-            return f"{name}({flag}=True) cannot be replayed on the ring neighbour's host copy; leave {flag} off"
+            return f"{name}({flag}=True) cannot be replayed by the ring neighbour; leave {flag} off"
     return None
 
 
@@ -64,10 +65,16 @@ def producible(replica_steps: list[int], logged: set[int]) -> tuple[int, int] | 
 
 
 def replay(shard: dict[str, Any], steps: list[dict[str, Any]], like: Optimizer) -> dict[str, Any]:
-    """The shard state ``shard`` (the model and optimizer parts, local tensors) after the logged ``steps``,
-    stepped by an optimizer of ``like``'s class and defaults (the lost rank's: every rank builds the same);
-    a step logged without gradients (a loss scaler skipped it) changes nothing."""
-    params = {name: nn.Parameter(value.clone(), requires_grad=value.is_floating_point())
+    """The shard state ``shard`` (the model and optimizer parts, local host tensors) after the logged
+    ``steps``, stepped by an optimizer of ``like``'s class and defaults (the lost rank's: every rank builds
+    the same); a step logged without gradients (a loss scaler skipped it) changes nothing.
+
+    The replay runs where ``like`` runs: on its parameters' device, each state entry where ``like`` keeps
+    it (Adam's step count stays on the host beside CUDA moments). A CUDA step and a host step of the same
+    optimizer round differently (other kernels: foreach against per-tensor, fused multiply-adds), so only
+    the live run's placement gives the live run's bits."""
+    device, kept = placement(like)
+    params = {name: nn.Parameter(value.to(device, copy=True), requires_grad=value.is_floating_point())
               for name, value in shard[MODEL].items() if isinstance(value, torch.Tensor)}
     saved = shard[OPTIMIZER]
     groups = [{**{k: v for k, v in g.items() if k != "params"},
@@ -76,19 +83,32 @@ def replay(shard: dict[str, Any], steps: list[dict[str, Any]], like: Optimizer) 
     Optimizer.__init__(optimizer, groups, dict(like.defaults))  # not the class's own: its signature is its own
     for name, state in saved["state"].items():
         if name in params:
-            optimizer.state[params[name]] = {k: v.clone() if isinstance(v, torch.Tensor) else v
-                                             for k, v in state.items()}
+            optimizer.state[params[name]] = {
+                k: v.to(kept.get(k, device if v.dim() else v.device), copy=True) if isinstance(v, torch.Tensor)
+                else v for k, v in state.items()}
     for step in steps:
         for group, hyper in zip(optimizer.param_groups, step["groups"], strict=True):
             group.update(hyper)
         if step["grads"] is None:
             continue
         for name, p in params.items():
-            p.grad = step["grads"].get(name)
+            grad = step["grads"].get(name)
+            p.grad = None if grad is None else grad.to(device)
         optimizer.step()
-    model = {**shard[MODEL], **{name: p.detach() for name, p in params.items()}}
-    state = {name: dict(optimizer.state[p]) for name, p in params.items() if p in optimizer.state}
+    home = {name: value.device for name, value in shard[MODEL].items() if isinstance(value, torch.Tensor)}
+    model = {**shard[MODEL], **{name: p.detach().to(home[name]) for name, p in params.items()}}
+    state = {name: {k: v.to(home[name]) if isinstance(v, torch.Tensor) else v for k, v in optimizer.state[p].items()}
+             for name, p in params.items() if p in optimizer.state}
     names = [g["params"] for g in saved["param_groups"]]
     return {**shard, MODEL: model, OPTIMIZER: {
         "state": state,
         "param_groups": [{**hyper, "params": n} for hyper, n in zip(hyperparameters(optimizer), names, strict=True)]}}
+
+
+def placement(optimizer: Optimizer) -> tuple[torch.device, dict[str, torch.device]]:
+    """Where ``optimizer`` works: its parameters' device, and the device of each state entry it keeps."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    device = local_part(params[0]).device if params else torch.device("cpu")
+    state = next(iter(optimizer.state.values()), {})
+    kept = {k: local_part(v).device for k, v in state.items() if isinstance(v, torch.Tensor)}
+    return device, kept
