@@ -48,12 +48,14 @@ DOC = REPO / "docs" / "gpu.md"
 WORK = REPO / "benchmarks" / "out" / "gpu_check"
 STEPS = 16
 ON_CPU_STEPS = 10
+JOB_TIMEOUT = 240.0  # a hung job's workers print their stacks into its log (agent0.log), then it is killed
 GPU = ["--accelerator", "gpu", "--deterministic", "--devices", "1", "--max-steps", str(STEPS), "--workers", "0"]
 NCCL = ["--process-group-backend", "nccl"]
 
 
 def _job(name: str, nproc: int, spares: int, args: tuple[str, ...], faults: str = "", launch: tuple[str, ...] = ()):
-    job, codes = run(WORK / name, nproc=nproc, spares=spares, train_args=args, faults=faults, launch_args=launch)
+    job, codes = run(WORK / name, timeout=JOB_TIMEOUT, nproc=nproc, spares=spares, train_args=args, faults=faults,
+                     launch_args=launch)
     if codes != [0]:
         raise RuntimeError(f"{name}: exit {codes}\n{job.output()[-2000:]}")
     return job
@@ -194,16 +196,18 @@ def nccl_with_survivors() -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    global JOB_TIMEOUT, STEPS
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--doc", type=Path, default=DOC)
     p.add_argument("--on-cpu", action="store_true",
                    help="check this script on a machine without a GPU: parts (a), (b), (d), (f), (g) and the first "
                         "case and the group mechanics of (e) on CPU tensors over gloo, "
                         "written to benchmarks/out/gpu-check-on-cpu.md (no GPU figures)")
+    p.add_argument("--job-timeout", type=float, default=JOB_TIMEOUT, help="seconds each job may take")
     ns = p.parse_args(argv)
     doc = ns.doc
+    JOB_TIMEOUT = ns.job_timeout
     if ns.on_cpu:  # the script's parts on CPU tensors, in fewer steps (the faults strike at step 7)
-        global STEPS
         STEPS = gpu_nccl.STEPS = ON_CPU_STEPS
         GPU[GPU.index("gpu")] = "cpu"
         GPU[GPU.index("--max-steps") + 1] = str(STEPS)

@@ -75,3 +75,16 @@ def test_every_event_the_code_emits_is_documented():
     assert len(emitted) > 30
     assert emitted <= documented, f"undocumented events: {sorted(emitted - documented)}"
     assert documented <= emitted | {"time", "event", "source"}, f"documented, never emitted: {documented - emitted}"
+
+
+def test_a_state_that_crossed_host_memory_goes_back_to_each_tensors_device_type():
+    from torchpass_plugins.core.tree import device_kinds, onto_device_kinds
+    from torchpass_plugins.testing.chaos.oracle import differences
+
+    state = {"metric": torch.zeros(2, device="meta"), "logged": [torch.ones(1), 3]}
+    kinds = device_kinds(state)
+    assert kinds == ["meta", "cpu"]
+    received = {"metric": torch.zeros(2), "logged": [torch.ones(1), 3]}  # as a transfer hands it out
+    assert differences(state, received) == ["/metric: on cpu instead of meta"]
+    back = onto_device_kinds(received, kinds)
+    assert back["metric"].device.type == "meta" and back["logged"][0].device.type == "cpu" and back["logged"][1] == 3

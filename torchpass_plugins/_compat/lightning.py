@@ -29,6 +29,7 @@ from lightning.pytorch.trainer.connectors.logger_connector.result import _Metada
 from lightning.pytorch.utilities.data import _update_dataloader
 from torchmetrics import Metric
 
+from torchpass_plugins.core.tree import device_kinds, onto_device_kinds
 from torchpass_plugins.errors import ConfigError
 
 _REDUCE = {"mean": torch.mean, "sum": torch.sum, "max": torch.max, "min": torch.min}
@@ -75,7 +76,13 @@ def _result(item: _ResultMetric) -> dict[str, Any]:
 
 
 def rank_local_state(trainer: Any) -> dict[str, Any]:
-    """This rank's logged values, metric states and ``callback_metrics``, as plain data."""
+    """This rank's logged values, metric states and ``callback_metrics``, as plain data, with the device type
+    of each tensor in it (the state reaches another process through host memory)."""
+    state = _rank_local_values(trainer)
+    return {**state, "devices": device_kinds(state)}
+
+
+def _rank_local_values(trainer: Any) -> dict[str, Any]:
     module, connector = trainer.lightning_module, trainer._logger_connector
     return {
         "epoch": trainer.current_epoch,
@@ -95,8 +102,10 @@ def rank_local_state(trainer: Any) -> dict[str, Any]:
 
 def load_rank_local_state(trainer: Any, state: dict[str, Any]) -> None:
     """Make this rank's logging state ``state`` (taken by :func:`rank_local_state` on another process). A state
-    taken in an earlier epoch than this rank is in is then reset as the end of that epoch reset it."""
+    taken in an earlier epoch than this rank is in is then reset as the end of that epoch reset it. Each
+    tensor goes back to the type of device it was on there (a metric state on the GPU, not in host memory)."""
     module, connector = trainer.lightning_module, trainer._logger_connector
+    state = onto_device_kinds({k: v for k, v in state.items() if k != "devices"}, state["devices"])
     metrics = {path: m for path, m in module.named_modules() if isinstance(m, Metric)}
     for path, metric_state in state["metrics"].items():
         _load_metric_state(metrics[path], metric_state)
@@ -112,6 +121,7 @@ def load_rank_local_state(trainer: Any, state: dict[str, Any]) -> None:
             item = results[key] = _ResultMetric(meta, saved["is_tensor"])
         if item.is_tensor:
             _load_metric_state(item, saved["state"])
+            item.to(item.value.device)  # where the logged value is, as Lightning places a new key's metric
         else:
             item.value = getattr(module, saved["meta"]["metric_attribute"])
             item._forward_cache = saved["state"]["forward_cache"]

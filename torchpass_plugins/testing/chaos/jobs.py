@@ -95,9 +95,21 @@ class Job:
         try:
             codes = [a.wait(timeout=max(1.0, deadline - time.monotonic())) for a in self.agents]
         except subprocess.TimeoutExpired:
+            self.dump_stacks()
             self.kill()
             raise AssertionError(f"job exceeded {timeout}s:\n{self.output()[-4000:]}") from None
         return codes
+
+    def dump_stacks(self) -> None:
+        """Have every live worker print each thread's Python stack into the log (faulthandler, on SIGABRT):
+        where a hung job was stuck."""
+        for pid in self.worker_pids().values():
+            if alive(pid):
+                try:
+                    os.kill(pid, signal.SIGABRT)
+                except ProcessLookupError:
+                    continue
+                time.sleep(1.0)  # one worker at a time: their dumps share the log
 
     def leftovers(self) -> list[int]:
         """Live processes of the job once it ended: any in its agents' sessions (the agents, fork servers)
@@ -146,7 +158,8 @@ def start(
     script: Path = TRAIN,
 ) -> Job:
     """Start the agents of one job (``nnodes`` simulated nodes on this machine)."""
-    env = {**os.environ, **SAME_ROUNDING, "TORCHPASS_FAULTS": faults, "TORCHPASS_JOIN_TOKEN": "test-token"}
+    env = {**os.environ, **SAME_ROUNDING, "TORCHPASS_FAULTS": faults, "TORCHPASS_JOIN_TOKEN": "test-token",
+           "PYTHONFAULTHANDLER": "1"}  # a hung job's workers print every thread's stack on SIGABRT
     env.pop(WORKER_VARIABLE, None)
     job = Job(run_dir)
     endpoint = f"127.0.0.1:{free_port() if nnodes > 1 else 0}"
@@ -183,9 +196,9 @@ def run_command(run_dir: Path, cmd: list[str], faults: str = "") -> tuple[Job, l
         job.kill()
 
 
-def run(run_dir: Path, **kwargs) -> tuple[Job, list[int]]:
+def run(run_dir: Path, timeout: float = JOB_TIMEOUT, **kwargs) -> tuple[Job, list[int]]:
     job = start(run_dir, **kwargs)
     try:
-        return job, job.wait()
+        return job, job.wait(timeout)
     finally:
         job.kill()

@@ -39,6 +39,8 @@ def _tensor_difference(expected: Any, actual: Any, path: str) -> list[str]:
         return [f"{path}: {type(actual).__name__} instead of {type(expected).__name__}"]
     if (expected.dtype, expected.shape) != (actual.dtype, actual.shape):
         return [f"{path}: {actual.dtype}{list(actual.shape)} instead of {expected.dtype}{list(expected.shape)}"]
+    if expected.device.type != actual.device.type:  # a state moved off its device fails where it is used next
+        return [f"{path}: on {actual.device.type} instead of {expected.device.type}"]
     if torch.equal(expected, actual) or (expected.is_floating_point() and _same_bits(expected, actual)):
         return []
     if expected.is_floating_point() or expected.is_complex():
