@@ -195,6 +195,10 @@ def nccl_with_survivors() -> list[str]:
     return rows if on_cpu else rows + gpu_nccl.step_times(WORK)
 
 
+PARTS = {"g": replay_against_live, "a": shared_gpu_over_gloo, "f": sharded_over_gloo,
+         "b": nccl_restart_on_a_new_communicator, "c": nvml_readings, "d": snapshot_stall, "e": nccl_with_survivors}
+
+
 def main(argv: list[str] | None = None) -> int:
     global JOB_TIMEOUT, STEPS
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -204,6 +208,8 @@ def main(argv: list[str] | None = None) -> int:
                         "case and the group mechanics of (e) on CPU tensors over gloo, "
                         "written to benchmarks/out/gpu-check-on-cpu.md (no GPU figures)")
     p.add_argument("--job-timeout", type=float, default=JOB_TIMEOUT, help="seconds each job may take")
+    p.add_argument("--parts", default="", help="only these parts, by letter (e.g. 'a,f'): a rerun, written to its "
+                   "own section of the page (gpu-check-parts) beside the full check's")
     ns = p.parse_args(argv)
     doc = ns.doc
     JOB_TIMEOUT = ns.job_timeout
@@ -224,6 +230,8 @@ def main(argv: list[str] | None = None) -> int:
              nvml_readings, snapshot_stall, nccl_with_survivors]
     if ns.on_cpu:
         parts.remove(nvml_readings)
+    if ns.parts:
+        parts = [PARTS[letter] for letter in ns.parts.split(",")]
     for part in parts:
         t0 = time.perf_counter()
         try:
@@ -246,7 +254,8 @@ def main(argv: list[str] | None = None) -> int:
         "|---|---|",
         *[f"| {row.split(' | ', 1)[0]} | {row.split(' | ', 1)[1]} |" for row in rows],
     ])
-    update_section(doc, "gpu-check", body)
+    update_section(doc, "gpu-check-parts" if ns.parts else "gpu-check", body.replace(
+        "## GPU check", f"## GPU check, parts {ns.parts} again" if ns.parts else "## GPU check"))
     (WORK.parent / "gpu_check.json").write_text(json.dumps({"rows": rows, "failures": failures}, indent=2))
     print(body)
     return 1 if failures else 0

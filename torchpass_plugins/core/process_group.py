@@ -167,18 +167,16 @@ class ReconfigurableGroup(dist.ProcessGroup):
         return all(f.done() for f in self._escaped)
 
     # -- torch.distributed.ProcessGroup: issue on the current generation, return its Work ---------------
-    def _group_for(self, tensors: list[torch.Tensor]) -> dist.ProcessGroup:
+    def _issue(self, tensors: list[torch.Tensor], op: str, *args) -> dist.Work:
         self.check()
         device = tensors[0].device.type if tensors else "cpu"
-        return self._groups.get(device, self._groups["cpu"])  # gloo carries CUDA tensors where NCCL is not used
-
-    def _issue(self, tensors: list[torch.Tensor], op: str, *args) -> dist.Work:
-        group = self._group_for(tensors)
+        own_backend = device != "cpu" and device in self._groups
+        group = self._groups[device] if own_backend else self._groups["cpu"]  # gloo carries CUDA tensors too
         try:
             work = getattr(group, op)(*args)
         except RuntimeError as exc:  # the backend refused it (NCCL: a communicator its watchdog aborted)
             raise self._fail(op, exc) from exc
-        if tensors and tensors[0].device.type != "cpu":
+        if own_backend:  # its events say when it is done; gloo's do not (its reduce-scatter's never completes)
             self._on_device[id(work)] = work
         return work
 
