@@ -189,3 +189,21 @@ def test_an_optimizer_the_log_cannot_replay_is_named_with_the_fix():
     assert "AdamW(fused=True)" in why and "AdamW(fused=False)" in why
     assert "capturable" in replay_refusal(torch.optim.Adam(params, capturable=True), scaled=False)
     assert "differentiable" in replay_refusal(torch.optim.SGD(params, lr=0.1, differentiable=True), scaled=False)
+
+
+def test_only_steps_that_are_elementwise_within_a_tensor_are_replayed_on_a_shard():
+    params = [torch.nn.Parameter(torch.zeros(4, 4))]
+
+    class LoggingAdamW(torch.optim.AdamW):  # keeps AdamW's step
+        pass
+
+    class NormedAdamW(torch.optim.AdamW):  # its own step: may look at the whole parameter
+        def step(self, closure=None):
+            return super().step(closure)
+
+    assert replay_refusal(LoggingAdamW(params), scaled=False) is None
+    LoggingAdamW(params).step()  # torch wraps the class's step in a hook on the first instance
+    assert replay_refusal(LoggingAdamW(params), scaled=False) is None
+    for optimizer in (NormedAdamW(params), torch.optim.Adafactor(params), torch.optim.LBFGS(params)):
+        why = replay_refusal(optimizer, scaled=False)
+        assert why is not None and f"{type(optimizer).__name__}'s step is not one" in why and "AdamW" in why

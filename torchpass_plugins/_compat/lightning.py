@@ -105,7 +105,8 @@ def load_rank_local_state(trainer: Any, state: dict[str, Any]) -> None:
     taken in an earlier epoch than this rank is in is then reset as the end of that epoch reset it. Each
     tensor goes back to the type of device it was on there (a metric state on the GPU, not in host memory)."""
     module, connector = trainer.lightning_module, trainer._logger_connector
-    state = onto_device_kinds({k: v for k, v in state.items() if k != "devices"}, state["devices"])
+    if "devices" in state:  # (a snapshot written before devices were recorded has its tensors on the host)
+        state = onto_device_kinds({k: v for k, v in state.items() if k != "devices"}, state["devices"])
     metrics = {path: m for path, m in module.named_modules() if isinstance(m, Metric)}
     for path, metric_state in state["metrics"].items():
         _load_metric_state(metrics[path], metric_state)

@@ -176,7 +176,7 @@ class PoisoningGroup(_FailureSemantics):
         self.poisoned: str | None = None
         self.after_step: int | None = None  # the step whose optimizer step was applied, until the next boundary
         self._before_reduce = before_reduce
-        self._in_flight: list[tuple[dist.Work, str]] = []  # CUDA collectives not yet known to have completed
+        self._in_flight: list[tuple[dist.Work, str]] = []  # device-backend collectives not yet known to have completed
 
     def heal(self) -> None:
         """The group was reconfigured and the state made consistent: forward collectives again."""
@@ -191,7 +191,7 @@ class PoisoningGroup(_FailureSemantics):
     def settle(self) -> None:
         """Wait until the CUDA collectives issued since the last call have completed, poisoning the group if
         one failed: called before a step is applied, the one place the host waits for them."""
-        if not self._in_flight:  # CPU collectives are settled as they run
+        if not self._in_flight:  # host collectives are settled as they run
             return
         in_flight, self._in_flight = self._in_flight, []
         for work, what in in_flight:
@@ -211,9 +211,10 @@ class PoisoningGroup(_FailureSemantics):
                 works = issue(self.group, outputs)
             except PeerFailure as exc:
                 self.poisoned = f"{what}: {exc}"
-        if works and outputs and outputs[0].is_cuda:
+        if works and all(self.group.on_device(work) for work in works):
             # On the device: the caller's wait orders its stream after the collective (FSDP2's overlap
-            # stays); whether it succeeded is settled before the step is applied (:meth:`settle`).
+            # stays); whether it succeeded is settled before the step is applied (:meth:`settle`). Work
+            # that would block the caller's wait (gloo, CUDA tensors too) is waited for here, escapably.
             self._in_flight += [(work, what) for work in works]
             return _StreamOrdered(works, outputs)
         for work in works:

@@ -13,6 +13,7 @@ replica only bounds the length of the replay.
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
@@ -32,12 +33,25 @@ def applied_gradient(optimizer: Optimizer, names: dict[int, str], skip: frozense
     return {"grads": grads, "groups": hyperparameters(optimizer)}
 
 
+# torch.optim's optimizers whose step is elementwise within each tensor, so a step replayed on one local
+# shard gives the live values. Others reduce over a whole parameter (LAMB, Adafactor's factored moments,
+# Shampoo, Muon) or across parameters (LBFGS), which a shard alone cannot.
+_ELEMENTWISE = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adamax, torch.optim.NAdam,
+                torch.optim.RAdam, torch.optim.Adagrad, torch.optim.Adadelta, torch.optim.RMSprop, torch.optim.Rprop,
+                torch.optim.ASGD)
+
+
 def replay_refusal(optimizer: Optimizer, scaled: bool) -> str | None:
     """Why the holder's replay could not take ``optimizer``'s steps as the live run does (``scaled``: a loss
-    scaler is in use), or ``None``. A fused step takes the loss scale inside the step, after the commit has
-    logged the gradient still scaled; a capturable or differentiable step needs state the replay does not
-    rebuild (a graph, CUDA step counts)."""
+    scaler is in use), or ``None``. Only a step that is elementwise within each tensor can be replayed one
+    local shard at a time (a subclass that keeps its base's step is one). A fused step takes the loss scale
+    inside the step, after the commit has logged the gradient still scaled; a capturable or differentiable
+    step needs state the replay does not rebuild (a graph, CUDA step counts)."""
     name, defaults = type(optimizer).__name__, optimizer.defaults
+    if _step_of(type(optimizer)) not in {_step_of(cls) for cls in _ELEMENTWISE}:
+        known = ", ".join(cls.__name__ for cls in _ELEMENTWISE)
+        return (f"{name}'s step is not one the ring neighbour can replay on a shard (it may take norms over a "
+                f"whole parameter); use one of torch.optim's {known}")
     if scaled and defaults.get("fused"):
         return (f"{name}(fused=True) unscales the gradients inside its step, so the ring neighbour's log of "
                 f"them would be scaled; with a loss scaler (precision='16-mixed') use {name}(fused=False)")
@@ -45,6 +59,11 @@ def replay_refusal(optimizer: Optimizer, scaled: bool) -> str | None:
         if defaults.get(flag):
             return f"{name}({flag}=True) cannot be replayed by the ring neighbour; leave {flag} off"
     return None
+
+
+def _step_of(cls: type) -> Any:
+    """The function ``cls.step`` runs (torch wraps each optimizer class's ``step`` in a profiling hook)."""
+    return inspect.unwrap(cls.step)
 
 
 def hyperparameters(optimizer: Optimizer) -> list[dict[str, Any]]:

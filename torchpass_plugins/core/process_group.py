@@ -180,6 +180,11 @@ class ReconfigurableGroup(dist.ProcessGroup):
             self._on_device[id(work)] = work
         return work
 
+    def on_device(self, work: dist.Work) -> bool:
+        """Whether ``work`` runs on a device's own backend (NCCL): its ``wait`` then only orders the caller's
+        stream after it. Host work, and CUDA tensors carried by gloo, block the caller in ``wait``."""
+        return id(work) in self._on_device
+
     def allreduce(self, tensors: list[torch.Tensor], opts=None) -> dist.Work:
         return self._issue(tensors, "allreduce", tensors, opts or dist.AllreduceOptions())
 
