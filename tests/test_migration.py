@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from conftest import STEPS, assert_bit_exact
 from jobs import start
 
@@ -39,8 +40,10 @@ def test_a_hot_gpu_moves_its_worker_to_a_spare_before_any_failure(tmp_path, refe
     assert len(job.events("state_received")) == 1  # the spare got the state once, at the boundary
 
 
-def test_a_straggler_is_flagged_and_moved_to_a_spare(tmp_path, reference):
-    job = start(tmp_path, train_args=(*TRAIN, *FSDP),
+@pytest.mark.parametrize("replication", [(), ("--replicate-every", "0")], ids=["replicated", "replication-off"])
+def test_a_straggler_is_flagged_and_moved_to_a_spare(tmp_path, reference, replication):
+    # with replication off, a rank's own state goes to its ring successor only at the planned move
+    job = start(tmp_path, train_args=(*TRAIN, *FSDP, *replication),
                 launch_args=("--straggler-window", "4", "--straggler-policy", "migrate"),
                 faults="slow@rank=2,step=1,seconds=0.4")
     try:

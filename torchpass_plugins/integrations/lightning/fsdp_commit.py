@@ -47,9 +47,13 @@ class LoggedCommit:
     ``ring_copies``, ``replicator``, ``sharded``, ``relay``, ``logged_names`` and recovery it uses)."""
 
     def _copy_own_state(self, step: int) -> None:
-        """Keep this rank's own state of boundary ``step`` and hand it to the ring successor (with what ran
-        after the last optimizer step: validation, an epoch's end), the first message of the step."""
+        """Keep this rank's own state of boundary ``step`` (a retried step starts again from it) and hand it
+        to the ring successor (with what ran after the last optimizer step: validation, an epoch's end), the
+        first message of the step. With replication off only a planned migration at this boundary can use
+        the successor's copy: a lost rank stops the job."""
         self.sharded.own[step] = own = self.sharded.state_dict()
+        if not self.replicator.every and self.runtime.drain_due(step) is None:
+            return
         try:
             self.ring_copies.exchange(self.runtime.transport, "boundary", step, own)
         except PeerFailure as exc:
@@ -65,16 +69,10 @@ class LoggedCommit:
         self._committed, step, rt = True, self.runtime.last_boundary, self.runtime
         failure = self._failure()  # a collective after the reduction (unscaling, clipping) failed
         if failure is None:
-            entry: dict[str, Any] = {"own": self.sharded.state_dict(), "step": None}
-            if self.replicator.every:
-                if self.logged_names is None:  # fixed once the model is sharded: not looked up every step
-                    names = OptimizerState(self.lightning_module, self.optimizers).names
-                    self.logged_names = names, self.sharded.skipped_parameters()
-                entry["step"] = (applied_gradient(optimizer, *self.logged_names) if stepped
-                                 else {"grads": None, "groups": hyperparameters(optimizer)})
             self.committing = True
             try:
-                self.ring_copies.exchange(rt.transport, "vote", step, entry)
+                if self.replicator.every:  # else no copy of this rank could be used: a lost rank stops the job
+                    self.ring_copies.exchange(rt.transport, "vote", step, self._log_entry(optimizer, stepped))
                 faults.point("commit")
                 vote = rt.signals.row()
                 rt.transport.all_reduce(vote, what="commit vote")
@@ -86,6 +84,16 @@ class LoggedCommit:
                 self._discard_step()
         finally:
             self.committing = False
+
+    def _log_entry(self, optimizer: Optimizer, stepped: bool) -> dict[str, Any]:
+        """What the ring successor logs of this step: this rank's own state, and what the optimizer applies
+        to its shard (no gradients where a loss scaler skips the step)."""
+        if self.logged_names is None:  # fixed once the model is sharded: not looked up every step
+            names = OptimizerState(self.lightning_module, self.optimizers).names
+            self.logged_names = names, self.sharded.skipped_parameters()
+        step = (applied_gradient(optimizer, *self.logged_names) if stepped
+                else {"grads": None, "groups": hyperparameters(optimizer)})
+        return {"own": self.sharded.state_dict(), "step": step}
 
     def _discard_step(self) -> None:
         """The recovery restored the boundary of the step being committed: it is run again from there (the
