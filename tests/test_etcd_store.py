@@ -1,0 +1,84 @@
+"""The job's store on a real 3-member etcd cluster (127.0.0.1): TCPStore's semantics, process groups that
+rendezvous through it, and what losing members does (one: nothing; two: waits for a quorum)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from torchpass_plugins.control.etcd_store import EtcdStore
+from torchpass_plugins.testing.etcd_cluster import EtcdCluster
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture
+def cluster(tmp_path):
+    with EtcdCluster(tmp_path) as members:
+        yield members
+
+
+def test_it_keeps_the_semantics_of_torchs_tcpstore(cluster):
+    store = EtcdStore(cluster.endpoints, prefix="job1", timeout=timedelta(seconds=10))
+    store.set("a", b"1")
+    assert store.get("a") == b"1" and store.check(["a"]) and not store.check(["a", "b"])
+    assert store.add("n", 2) == 2 and store.add("n", 3) == 5 and store.get("n") == b"5"
+    assert store.compare_set("c", "x", "y") == b"x"  # absent, something else expected: unchanged
+    assert not store.check(["c"])
+    assert store.compare_set("c", "", "first") == b"first"  # absent, absence expected: set
+    assert store.compare_set("c", "other", "second") == b"first"  # a mismatch returns what is there
+    assert store.compare_set("c", "first", "second") == b"second"
+    with pytest.raises(dist.DistStoreError, match="wait timeout"):
+        store.wait(["never"], timedelta(seconds=0.3))
+    late = threading.Timer(0.3, store.set, args=("late", b"v"))
+    late.start()
+    assert store.get("late") == b"v"  # get waits for the key, as TCPStore's does
+    assert store.delete_key("a") and not store.delete_key("a")
+    assert store.num_keys() == 3  # n, c, late
+    assert EtcdStore(cluster.endpoints, prefix="job2").num_keys() == 0  # another job's keys are apart
+    for item in (b"m1", b"m2", b"m3"):
+        store.queue_push("inbox", item)
+    assert store.queue_len("inbox") == 3
+    assert [store.queue_pop("inbox", block=False) for _ in range(3)] == [b"m1", b"m2", b"m3"]
+    with pytest.raises(dist.DistStoreError, match="empty"):
+        store.queue_pop("inbox", block=False)
+    prefixed = dist.PrefixStore("pg", store)  # torch's own wrapper calls into it
+    prefixed.set("k", "v")
+    assert prefixed.get("k") == b"v" and store.get("pg/k") == b"v"
+
+
+def _all_reduce(rank: int, endpoints: list[str], out) -> None:
+    etcd = EtcdStore(endpoints, prefix="job", timeout=timedelta(seconds=30))  # referenced: see EtcdStore
+    group = dist.ProcessGroupGloo(dist.PrefixStore("gen0", etcd), rank, 2, timedelta(seconds=30))
+    t = torch.tensor([rank + 1.0])
+    group.allreduce([t]).wait()
+    out[rank] = t.item()
+
+
+def test_gloo_process_groups_rendezvous_through_it(cluster):
+    out = mp.Manager().dict()
+    mp.start_processes(_all_reduce, args=(cluster.endpoints, out), nprocs=2, start_method="spawn", join=True)
+    assert dict(out) == {0: 3.0, 1: 3.0}
+
+
+def test_one_member_lost_changes_nothing_and_two_make_it_wait_for_a_quorum(cluster):
+    store = EtcdStore(cluster.endpoints, prefix="job", timeout=timedelta(seconds=60))
+    store.set("before", b"1")
+    cluster.stop_member(0)  # the endpoint tried first
+    store.set("one-down", b"2")
+    assert store.add("n", 1) == 1 and store.get("before") == b"1"
+    cluster.stop_member(1)  # one of three left: no quorum, so no write is decided
+    done = threading.Event()
+    writer = threading.Thread(target=lambda: (store.set("two-down", b"3"), done.set()), daemon=True)
+    writer.start()
+    time.sleep(3.0)
+    assert not done.is_set()
+    cluster.start_member(1)  # a quorum again: the write that waited goes through
+    assert done.wait(45.0)
+    assert store.get("two-down") == b"3" and store.add("n", 1) == 2

@@ -1,0 +1,150 @@
+"""The job's store on etcd v3: a ``torch.distributed.Store`` whose keys live in a replicated, consensus
+store, so that they outlive any one node (the embedded ``TCPStore`` lives in node 0's agent).
+
+It speaks etcd's JSON gateway (``/v3/kv/...`` over HTTP, keys and values in base64) with the standard
+library, trying the endpoints in turn from the last one that answered. An operation that no member can
+serve (no quorum: fewer than half of the members up) is retried until the store's timeout: nothing is
+decided without a quorum, and the caller resumes when one is back. Atomic operations (``add``,
+``compare_set``, the queue) are etcd transactions that compare a key's revision, retried on a race.
+``torch.distributed`` takes it as any store: process groups rendezvous through it, under a ``PrefixStore``.
+An ``add`` whose reply is lost after etcd applied it (a member failing mid-request) is retried and
+counts twice.
+Keep a Python reference to it while torch uses it: torch holds only its C++ side, and once the Python
+object is collected every call fails with torch's "Not implemented".
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import time
+import urllib.error
+import urllib.request
+from datetime import timedelta
+
+import torch.distributed as dist
+
+_POLL_S = (0.005, 0.1)  # a wait polls from the first interval, doubling up to the second
+_RETRY_S = 0.2  # between rounds over every endpoint while none answers
+_REQUEST_S = 5.0  # one HTTP request; a member without quorum answers an error after etcd's own timeout
+
+
+def _b64(data: bytes) -> str:
+    return base64.b64encode(data).decode()
+
+
+def _bytes(value: str | bytes) -> bytes:
+    return value.encode() if isinstance(value, str) else bytes(value)
+
+
+class EtcdStore(dist.Store):
+    """Keys under ``prefix`` in the etcd cluster at ``endpoints`` (``host:port`` of its client URLs)."""
+
+    def __init__(self, endpoints: list[str], prefix: str = "torchpass", timeout: timedelta = timedelta(seconds=300),
+                 scheme: str = "http") -> None:
+        super().__init__()
+        if not endpoints:
+            raise ValueError("EtcdStore needs at least one endpoint (host:port)")
+        self._urls = [f"{scheme}://{e}" for e in endpoints]
+        self._first = 0  # the endpoint that answered last
+        self._prefix = prefix.encode().rstrip(b"/") + b"/"
+        self.set_timeout(timeout)
+
+    # -- the gateway --------------------------------------------------------------------------------------
+    def _call(self, path: str, body: dict) -> dict:
+        deadline = time.monotonic() + self.timeout.total_seconds()
+        data = json.dumps(body).encode()
+        while True:
+            errors = []
+            for i in range(len(self._urls)):
+                index = (self._first + i) % len(self._urls)
+                request = urllib.request.Request(self._urls[index] + path, data=data,
+                                                 headers={"Content-Type": "application/json"})
+                try:
+                    with urllib.request.urlopen(request, timeout=_REQUEST_S) as reply:
+                        self._first = index
+                        return json.loads(reply.read())
+                except (OSError, urllib.error.URLError) as exc:  # down, or up without a quorum
+                    errors.append(f"{self._urls[index]}: {exc}")
+            if time.monotonic() > deadline:
+                raise dist.DistStoreError(f"etcd: no member answered within {self.timeout}: {'; '.join(errors)}")
+            time.sleep(_RETRY_S)
+
+    def _key(self, key: str) -> bytes:
+        return self._prefix + key.encode()
+
+    def _range(self, key: str) -> dict | None:
+        kvs = self._call("/v3/kv/range", {"key": _b64(self._key(key))}).get("kvs")
+        return kvs[0] if kvs else None
+
+    def _put_if(self, key: str, revision: int, value: bytes) -> bool:
+        """Put ``value`` if ``key``'s last change is ``revision`` (0: if it does not exist)."""
+        k = _b64(self._key(key))
+        compare = {"key": k, "target": "MOD", "result": "EQUAL", "mod_revision": str(revision)}
+        reply = self._call("/v3/kv/txn", {"compare": [compare],
+                                          "success": [{"request_put": {"key": k, "value": _b64(value)}}]})
+        return bool(reply.get("succeeded"))
+
+    # -- torch.distributed.Store --------------------------------------------------------------------------
+    def set(self, key: str, value: str | bytes) -> None:
+        self._call("/v3/kv/put", {"key": _b64(self._key(key)), "value": _b64(_bytes(value))})
+
+    def get(self, key: str) -> bytes:
+        self.wait([key])
+        return base64.b64decode(self._range(key)["value"])
+
+    def add(self, key: str, amount: int) -> int:
+        while True:
+            kv = self._range(key)
+            value = int(base64.b64decode(kv["value"]) if kv else 0) + amount
+            if self._put_if(key, int(kv["mod_revision"]) if kv else 0, str(value).encode()):
+                return value
+
+    def compare_set(self, key: str, expected: str | bytes, desired: str | bytes) -> bytes:
+        """As ``TCPStore``: ``desired`` if the key held ``expected`` (or was absent and ``expected`` is
+        empty); else the key's value, or ``expected`` for an absent key."""
+        expected, desired = _bytes(expected), _bytes(desired)
+        while True:
+            kv = self._range(key)
+            current = base64.b64decode(kv["value"]) if kv else None
+            if current is None and expected:
+                return expected
+            if current is not None and current != expected:
+                return current
+            if self._put_if(key, int(kv["mod_revision"]) if kv else 0, desired):
+                return desired
+
+    def check(self, keys: list[str]) -> bool:
+        return all(self._range(key) is not None for key in keys)
+
+    def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
+        deadline = time.monotonic() + (timeout or self.timeout).total_seconds()
+        pause = _POLL_S[0]
+        while not self.check(keys):
+            if time.monotonic() > deadline:
+                raise dist.DistStoreError(f"etcd: wait timeout for {keys} after {timeout or self.timeout}")
+            time.sleep(pause)
+            pause = min(pause * 2, _POLL_S[1])
+
+    def delete_key(self, key: str) -> bool:
+        return int(self._call("/v3/kv/deleterange", {"key": _b64(self._key(key))}).get("deleted", 0)) > 0
+
+    def num_keys(self) -> int:
+        end = self._prefix[:-1] + bytes([self._prefix[-1] + 1])
+        reply = self._call("/v3/kv/range", {"key": _b64(self._prefix), "range_end": _b64(end), "count_only": True})
+        return int(reply.get("count", 0))
+
+    # -- a queue with one consumer (the coordinator's inbox) -----------------------------------------------
+    def queue_push(self, key: str, value: str | bytes) -> None:
+        self.set(f"{key}/item/{self.add(f'{key}/tail', 1)}", value)
+
+    def queue_len(self, key: str) -> int:
+        return self.add(f"{key}/tail", 0) - self.add(f"{key}/head", 0)
+
+    def queue_pop(self, key: str, block: bool = True) -> bytes:
+        if not block and self.queue_len(key) <= 0:
+            raise dist.DistStoreError(f"etcd: queue {key} is empty")
+        item = f"{key}/item/{self.add(f'{key}/head', 1)}"
+        value = self.get(item)  # waits for the push, up to the store's timeout
+        self.delete_key(item)
+        return value
