@@ -1,5 +1,6 @@
 """The job's store on a real 3-member etcd cluster (127.0.0.1): TCPStore's semantics, process groups that
-rendezvous through it, and what losing members does (one: nothing; two: waits for a quorum)."""
+rendezvous through it, what losing members does (one: nothing; two: waits for a quorum), and a job that
+runs on it through a kill."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from conftest import STEPS, assert_bit_exact
+from jobs import start
 
 from torchpass_plugins.control.etcd_store import EtcdStore
 from torchpass_plugins.testing.etcd_cluster import EtcdCluster
@@ -82,3 +85,22 @@ def test_one_member_lost_changes_nothing_and_two_make_it_wait_for_a_quorum(clust
     cluster.start_member(1)  # a quorum again: the write that waited goes through
     assert done.wait(45.0)
     assert store.get("two-down") == b"3" and store.add("n", 1) == 2
+
+
+@pytest.mark.timeout(240)
+def test_a_job_on_the_etcd_store_replaces_a_killed_rank_bit_exact_and_shrugs_off_a_lost_member(tmp_path, reference):
+    with EtcdCluster(tmp_path / "etcd") as etcd:
+        train = ("--devices", "3", "--max-steps", str(STEPS), "--sleep-per-step", "0.05")
+        job = start(tmp_path / "job", train_args=train, faults="kill@rank=0,step=8,phase=backward",
+                    launch_args=("--rdzv-backend", "etcd", "--rdzv-endpoint", ",".join(etcd.endpoints),
+                                 "--rdzv-id", "job-a"))
+        try:
+            job.wait_until(lambda: len(job.applied(1)) >= 3, "rank 1 to reach step 3")
+            etcd.stop_member(0)  # one member of three: no effect
+            codes = job.wait()
+        finally:
+            job.kill()
+    assert_bit_exact(job, codes, reference())
+    [started] = job.events("agent_started")
+    assert started["endpoint"] == f"etcd://{','.join(etcd.endpoints)}/job-a"
+    assert len(job.events("failure_detected")) == 1 and job.events("job_restart") == []

@@ -175,7 +175,13 @@ class AgentConfig:
     nnodes: int = setting(1, "nodes of the job", "--nnodes")
     node_rank: int = setting(0, "this node's index among them", "--node-rank")
     rdzv_endpoint: str = setting("127.0.0.1:0", "HOST:PORT of node 0's store, which listens on HOST's interface "
-                                                "only (port 0: any free)", "--rdzv-endpoint")
+                                                "only (port 0: any free); with --rdzv-backend etcd, the etcd "
+                                                "members' client addresses, HOST:PORT,HOST:PORT,...", "--rdzv-endpoint")
+    rdzv_backend: str = setting("c10d", "the job's store: c10d (a TCPStore served by node 0's agent) or etcd (an "
+                                        "etcd v3 cluster, which outlives any one node)", "--rdzv-backend",
+                                choices=("c10d", "etcd"))
+    rdzv_id: str = setting("torchpass", "the job's name in a store several jobs share (etcd): its keys' prefix",
+                           "--rdzv-id")
     rdzv_timeout_s: float = setting(300.0, "seconds an agent tries to reach node 0's store", "--rdzv-timeout")
     heartbeat_interval_s: float = setting(0.5, "seconds between a worker's heartbeats and its agent's checks",
                                           "--heartbeat-interval")

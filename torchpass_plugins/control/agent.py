@@ -80,7 +80,8 @@ class Agent:
     def run(self) -> int:
         cfg = self.config
         try:
-            self._client = connect_store(cfg.rdzv_endpoint, is_master=cfg.node_rank == 0 and not cfg.external_store,
+            self._client = connect_store(cfg.store_address or cfg.rdzv_endpoint,
+                                         is_master=cfg.node_rank == 0 and not cfg.external_store,
                                          timeout=cfg.rdzv_timeout)
         except (dist.DistError, OSError) as exc:
             what = str(exc).splitlines()[0]
@@ -88,7 +89,7 @@ class Agent:
                   "0's agent first, and check --rdzv-endpoint and that this node can reach it (node 0: that HOST "
                   "is one of its addresses and PORT is free)", file=sys.stderr)
             return 1
-        self.endpoint = f"{cfg.rdzv_endpoint.rsplit(':', 1)[0]}:{self._client.port}"
+        self.endpoint = cfg.store_address or f"{cfg.rdzv_endpoint.rsplit(':', 1)[0]}:{self._client.port}"
         self._begin_attempt()
         self._install_signals()
         if "OMP_NUM_THREADS" not in os.environ and cfg.nproc_per_node > 1:

@@ -50,6 +50,16 @@ class EtcdStore(dist.Store):
         self._prefix = prefix.encode().rstrip(b"/") + b"/"
         self.set_timeout(timeout)
 
+    def clone(self) -> EtcdStore:
+        """Another client of the same keys (each thread of torchpass takes its own, as with a TCPStore)."""
+        return self.under("")
+
+    def under(self, prefix: str) -> EtcdStore:
+        """A client of the keys under ``prefix`` (torch's ``PrefixStore`` would hide the queue methods)."""
+        scheme, _ = self._urls[0].split("://", 1)
+        path = self._prefix.decode() + prefix if prefix else self._prefix[:-1].decode()
+        return EtcdStore([u.split("://", 1)[1] for u in self._urls], path, self.timeout, scheme)
+
     # -- the gateway --------------------------------------------------------------------------------------
     def _call(self, path: str, body: dict) -> dict:
         deadline = time.monotonic() + self.timeout.total_seconds()

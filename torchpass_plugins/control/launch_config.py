@@ -19,6 +19,8 @@ class LaunchConfig:
     nnodes: int
     node_rank: int
     rdzv_endpoint: str
+    rdzv_backend: str  # c10d: node 0's agent serves a TCPStore; etcd: an etcd cluster at rdzv_endpoint
+    rdzv_id: str
     rdzv_timeout: float  # how long an agent tries to reach node 0's store
     spares: int
     run_dir: str
@@ -48,7 +50,8 @@ class LaunchConfig:
                                       temperature_migrate_c=job.health.temperature_migrate_c)
         return cls(
             command=list(command), nproc_per_node=agent.nproc_per_node, nnodes=agent.nnodes,
-            node_rank=agent.node_rank, rdzv_endpoint=agent.rdzv_endpoint, rdzv_timeout=agent.rdzv_timeout_s,
+            node_rank=agent.node_rank, rdzv_endpoint=agent.rdzv_endpoint, rdzv_backend=agent.rdzv_backend,
+            rdzv_id=agent.rdzv_id, rdzv_timeout=agent.rdzv_timeout_s,
             spares=job.spares, run_dir=job.run_dir, heartbeat_timeout=job.timeouts.heartbeat_s,
             heartbeat_interval=agent.heartbeat_interval_s, refill=agent.refill, token=token, seed=agent.seed,
             max_restarts=job.max_restarts, spare_wait=job.spare_wait_s,
@@ -58,6 +61,12 @@ class LaunchConfig:
             preload=tuple(m for m in job.preload.split(",") if m.strip()), first_slot=first_slot,
             external_store=external_store,
         )
+
+    @property
+    def store_address(self) -> str | None:
+        """Where every process of the job finds an etcd store (``etcd://HOST:PORT,.../ID``); ``None`` for
+        node 0's TCPStore, whose port is known once it listens."""
+        return f"etcd://{self.rdzv_endpoint}/{self.rdzv_id}" if self.rdzv_backend == "etcd" else None
 
     @property
     def processes(self) -> int:
@@ -81,7 +90,12 @@ class LaunchConfig:
             raise ValueError("--heartbeat-timeout must exceed the heartbeat interval")
         if self.nnodes > 1 and not self.token:
             raise ValueError("multi-node jobs need the same join token on every node: set TORCHPASS_JOIN_TOKEN")
-        if self.nnodes > 1 and self.rdzv_endpoint.endswith(":0"):
+        if self.rdzv_backend == "etcd":
+            members = self.rdzv_endpoint.split(",")
+            if not all(m.rpartition(":")[2].isdigit() and not m.endswith(":0") for m in members):
+                raise ValueError("--rdzv-backend etcd needs --rdzv-endpoint HOST:PORT[,HOST:PORT...]: the etcd "
+                                 f"members' client addresses, not {self.rdzv_endpoint!r}")
+        elif self.nnodes > 1 and self.rdzv_endpoint.endswith(":0"):
             raise ValueError("multi-node jobs need a fixed --rdzv-endpoint HOST:PORT reachable from every node")
         if not self.command:
             raise ValueError("no training script given")

@@ -19,6 +19,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
+from torchpass_plugins.control.etcd_store import EtcdStore
 from torchpass_plugins.control.protocol import (
     DONE_KEY,
     DRAIN_KEY,
@@ -37,6 +38,7 @@ from torchpass_plugins.control.protocol import (
 from torchpass_plugins.control.worker_env import WorkerEnv
 
 _POLL_S = 0.02
+ETCD = "etcd://"  # a store address that names an etcd cluster
 _WATCH_WAIT = timedelta(hours=1)  # a bound only: the coordinator or ``close`` ends the wait
 
 
@@ -66,12 +68,16 @@ class JoinRejected(PermissionError):
     """The coordinator refused this worker (a wrong join token): its agent stops instead of refilling."""
 
 
-def connect_store(endpoint: str, is_master: bool = False, timeout: float = 600.0) -> dist.TCPStore:
-    """Open a client (or the server, for the agent of node 0) of the job's store.
+def connect_store(endpoint: str, is_master: bool = False, timeout: float = 600.0) -> dist.Store:
+    """Open a client (or the server, for the agent of node 0) of the job's store: ``etcd://HOST:PORT,.../ID``
+    names an etcd cluster (nobody serves it), ``HOST:PORT`` node 0's TCPStore.
 
     The server listens on the endpoint's address only (torch's own would listen on every interface):
     ``127.0.0.1:0`` is reachable from this machine alone.
     """
+    if endpoint.startswith(ETCD):
+        members, _, job = endpoint.removeprefix(ETCD).partition("/")
+        return EtcdStore(members.split(","), prefix=f"torchpass/{job}", timeout=timedelta(seconds=timeout))
     host, port = endpoint.rsplit(":", 1)
     fd = None
     if is_master:
@@ -88,7 +94,13 @@ def connect_store(endpoint: str, is_master: bool = False, timeout: float = 600.0
 
 def prefixed(store: dist.Store, attempt: int = 0) -> dist.Store:
     """The keys of one attempt of the job: a restart after an abort starts over under fresh keys."""
-    return dist.PrefixStore(f"{PREFIX}/a{attempt}", store)
+    return under(store, f"{PREFIX}/a{attempt}")
+
+
+def under(store: dist.Store, prefix: str) -> dist.Store:
+    """``store``'s keys under ``prefix``. An etcd store makes a store of its own: torch's ``PrefixStore``
+    would hide its queue, which torch does not forward to a store written in Python."""
+    return store.under(prefix) if isinstance(store, EtcdStore) else dist.PrefixStore(prefix, store)
 
 
 def wait_key(store: dist.Store, key: str, stop: threading.Event | None = None, poll: float = _POLL_S) -> bytes:

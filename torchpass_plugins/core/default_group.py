@@ -189,7 +189,7 @@ class PoisoningGroup(_FailureSemantics):
             raise lost_after_the_step(self.after_step)
 
     def settle(self) -> None:
-        """Wait until the CUDA collectives issued since the last call have completed, poisoning the group if
+        """Wait until the device-backend collectives issued since the last call have completed, poisoning the group if
         one failed: called before a step is applied, the one place the host waits for them."""
         if not self._in_flight:  # host collectives are settled as they run
             return

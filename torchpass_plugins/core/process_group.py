@@ -34,7 +34,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from torchpass_plugins.control.membership import Member
+from torchpass_plugins.control.membership import Member, under
 from torchpass_plugins.core.backends import AbortHung, Backend, GlooBackend, abort_within
 from torchpass_plugins.core.waits import completion, waited_in_thread
 
@@ -68,6 +68,7 @@ class ReconfigurableGroup(dist.ProcessGroup):
         self.timeout = timeout
         self.backends: dict[str, Backend] = {"cpu": GlooBackend()}
         self._groups: dict[str, dist.ProcessGroup] = {}
+        self._stores: dict[str, dist.Store] = {}  # each device's group's store, of the newest generation built
         self.gen = -1
         self.rank = -1  # an attribute here (over c10d's rank()): the wrappers answer c10d
         self.world_size = member.env.world_size
@@ -91,8 +92,10 @@ class ReconfigurableGroup(dist.ProcessGroup):
             self._groups[backend.device] = self._build(backend, self.gen, self.rank, self.member.thread_store())
 
     def _build(self, backend: Backend, generation: int, rank: int, client: dist.Store) -> dist.ProcessGroup:
-        """``backend``'s group of ``generation``, under store keys of its own."""
-        store = dist.PrefixStore(f"{self.name}/{generation}/{backend.device}", client)
+        """``backend``'s group of ``generation``, under store keys of its own (kept referenced while the
+        group lives: a store written in Python, etcd's, is gone for torch once Python collects it)."""
+        store = under(client, f"{self.name}/{generation}/{backend.device}")
+        self._stores[backend.device] = store
         return backend.build(store, rank, self.world_size, self.timeout)
 
     def built(self) -> bool:

@@ -43,6 +43,7 @@ class EtcdCluster:
         return [f"127.0.0.1:{port}" for port in self.client]
 
     def __enter__(self) -> EtcdCluster:
+        self.root.mkdir(parents=True, exist_ok=True)
         for i in range(len(self.names)):
             self.start_member(i)
         for i in range(len(self.names)):
