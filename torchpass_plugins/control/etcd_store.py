@@ -74,7 +74,11 @@ class EtcdStore(dist.Store):
                     with urllib.request.urlopen(request, timeout=_REQUEST_S) as reply:
                         self._first = index
                         return json.loads(reply.read())
-                except (OSError, urllib.error.URLError) as exc:  # down, or up without a quorum
+                except urllib.error.HTTPError as exc:
+                    if exc.code < 500:  # refused as asked: asking again will not help
+                        raise dist.DistStoreError(f"etcd at {self._urls[index]} refused {path}: {exc}") from exc
+                    errors.append(f"{self._urls[index]}: {exc}")  # up, without a quorum or a leader
+                except OSError as exc:  # down or unreachable
                     errors.append(f"{self._urls[index]}: {exc}")
             if time.monotonic() > deadline:
                 raise dist.DistStoreError(f"etcd: no member answered within {self.timeout}: {'; '.join(errors)}")
