@@ -51,6 +51,8 @@ def test_it_keeps_the_semantics_of_torchs_tcpstore(cluster):
     assert [store.queue_pop("inbox", block=False) for _ in range(3)] == [b"m1", b"m2", b"m3"]
     with pytest.raises(dist.DistStoreError, match="empty"):
         store.queue_pop("inbox", block=False)
+    assert store.add("read-only", 0) == 0 and not store.check(["read-only"])  # adding 0 reads, writes nothing
+    store.wait(["n"], timedelta(0))  # zero: no limit, as c10d's stores
     prefixed = dist.PrefixStore("pg", store)  # torch's own wrapper calls into it
     prefixed.set("k", "v")
     assert prefixed.get("k") == b"v" and store.get("pg/k") == b"v"

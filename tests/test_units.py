@@ -88,3 +88,15 @@ def test_a_state_that_crossed_host_memory_goes_back_to_each_tensors_device_type(
     assert differences(state, received) == ["/metric: on cpu instead of meta"]
     back = onto_device_kinds(received, kinds)
     assert back["metric"].device.type == "meta" and back["logged"][0].device.type == "cpu" and back["logged"][1] == 3
+
+
+def test_an_etcd_store_needs_member_addresses_and_a_fresh_job_name():
+    def layout(**agent) -> LaunchConfig:
+        agent_config = AgentConfig(rdzv_backend="etcd", nproc_per_node=3, **agent)
+        return LaunchConfig.derive(["train.py"], TorchPassConfig(), agent_config, token="t")
+
+    layout(rdzv_endpoint="127.0.0.1:2379,127.0.0.1:2380", rdzv_id="run-7").validate()
+    with pytest.raises(ValueError, match="--rdzv-id NAME"):
+        layout(rdzv_endpoint="127.0.0.1:2379").validate()
+    with pytest.raises(ValueError, match="without a scheme"):
+        layout(rdzv_endpoint="http://127.0.0.1:2379", rdzv_id="run-7").validate()

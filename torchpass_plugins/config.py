@@ -180,8 +180,8 @@ class AgentConfig:
     rdzv_backend: str = setting("c10d", "the job's store: c10d (a TCPStore served by node 0's agent) or etcd (an "
                                         "etcd v3 cluster, which outlives any one node)", "--rdzv-backend",
                                 choices=("c10d", "etcd"))
-    rdzv_id: str = setting("torchpass", "the job's name in a store several jobs share (etcd): its keys' prefix",
-                           "--rdzv-id")
+    rdzv_id: str = setting("", "with --rdzv-backend etcd: the job's name in the cluster, its keys' prefix; a "
+                               "name no earlier run used (a resubmitted job too)", "--rdzv-id")
     rdzv_timeout_s: float = setting(300.0, "seconds an agent tries to reach node 0's store", "--rdzv-timeout")
     heartbeat_interval_s: float = setting(0.5, "seconds between a worker's heartbeats and its agent's checks",
                                           "--heartbeat-interval")

@@ -90,6 +90,10 @@ class Agent:
                   "is one of its addresses and PORT is free)", file=sys.stderr)
             return 1
         self.endpoint = cfg.store_address or f"{cfg.rdzv_endpoint.rsplit(':', 1)[0]}:{self._client.port}"
+        if cfg.store_address and any(prefixed(self._client).check([k]) for k in (DONE_KEY, ABORT_KEY, RESTART_KEY)):
+            print(f"torchpass: {self.endpoint} holds the keys of a run that ended; start this one under a new "
+                  "--rdzv-id", file=sys.stderr)
+            return 1
         self._begin_attempt()
         self._install_signals()
         if "OMP_NUM_THREADS" not in os.environ and cfg.nproc_per_node > 1:

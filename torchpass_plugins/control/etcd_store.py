@@ -8,7 +8,7 @@ decided without a quorum, and the caller resumes when one is back. Atomic operat
 ``compare_set``, the queue) are etcd transactions that compare a key's revision, retried on a race.
 ``torch.distributed`` takes it as any store: process groups rendezvous through it, under a ``PrefixStore``.
 An ``add`` whose reply is lost after etcd applied it (a member failing mid-request) is retried and
-counts twice.
+counts twice. Each write is a revision of etcd's history: run etcd with ``--auto-compaction-retention``.
 Keep a Python reference to it while torch uses it: torch holds only its C++ side, and once the Python
 object is collected every call fails with torch's "Not implemented".
 """
@@ -16,10 +16,12 @@ object is collected every call fails with torch's "Not implemented".
 from __future__ import annotations
 
 import base64
+import http.client
 import json
 import time
 import urllib.error
 import urllib.request
+import uuid
 from datetime import timedelta
 
 import torch.distributed as dist
@@ -27,6 +29,7 @@ import torch.distributed as dist
 _POLL_S = (0.005, 0.1)  # a wait polls from the first interval, doubling up to the second
 _RETRY_S = 0.2  # between rounds over every endpoint while none answers
 _REQUEST_S = 5.0  # one HTTP request; a member without quorum answers an error after etcd's own timeout
+_DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # never through an http_proxy
 
 
 def _b64(data: bytes) -> str:
@@ -71,14 +74,15 @@ class EtcdStore(dist.Store):
                 request = urllib.request.Request(self._urls[index] + path, data=data,
                                                  headers={"Content-Type": "application/json"})
                 try:
-                    with urllib.request.urlopen(request, timeout=_REQUEST_S) as reply:
-                        self._first = index
-                        return json.loads(reply.read())
+                    with _DIRECT.open(request, timeout=_REQUEST_S) as reply:
+                        answer = json.loads(reply.read())
+                    self._first = index
+                    return answer
                 except urllib.error.HTTPError as exc:
                     if exc.code < 500:  # refused as asked: asking again will not help
                         raise dist.DistStoreError(f"etcd at {self._urls[index]} refused {path}: {exc}") from exc
                     errors.append(f"{self._urls[index]}: {exc}")  # up, without a quorum or a leader
-                except OSError as exc:  # down or unreachable
+                except (OSError, http.client.HTTPException, ValueError) as exc:  # down, or lost mid-reply
                     errors.append(f"{self._urls[index]}: {exc}")
             if time.monotonic() > deadline:
                 raise dist.DistStoreError(f"etcd: no member answered within {self.timeout}: {'; '.join(errors)}")
@@ -108,6 +112,9 @@ class EtcdStore(dist.Store):
         return base64.b64decode(self._range(key)["value"])
 
     def add(self, key: str, amount: int) -> int:
+        if amount == 0:  # a read: no write, no new revision (counters are read this way every beat)
+            kv = self._range(key)
+            return int(base64.b64decode(kv["value"])) if kv else 0
         while True:
             kv = self._range(key)
             value = int(base64.b64decode(kv["value"]) if kv else 0) + amount
@@ -132,11 +139,13 @@ class EtcdStore(dist.Store):
         return all(self._range(key) is not None for key in keys)
 
     def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
-        deadline = time.monotonic() + (timeout or self.timeout).total_seconds()
+        """Until every key exists; a ``timeout`` of zero waits without limit, as c10d's stores do."""
+        timeout = self.timeout if timeout is None else timeout
+        deadline = time.monotonic() + (timeout.total_seconds() or float("inf"))
         pause = _POLL_S[0]
         while not self.check(keys):
             if time.monotonic() > deadline:
-                raise dist.DistStoreError(f"etcd: wait timeout for {keys} after {timeout or self.timeout}")
+                raise dist.DistStoreError(f"etcd: wait timeout for {keys} after {timeout}")
             time.sleep(pause)
             pause = min(pause * 2, _POLL_S[1])
 
@@ -150,15 +159,29 @@ class EtcdStore(dist.Store):
 
     # -- a queue with one consumer (the coordinator's inbox) -----------------------------------------------
     def queue_push(self, key: str, value: str | bytes) -> None:
-        self.set(f"{key}/item/{self.add(f'{key}/tail', 1)}", value)
+        """One put under a name of its own: safe to retry, and no gap a lost writer could leave."""
+        self.set(f"{key}/item/{uuid.uuid4().hex}", value)
+
+    def _items(self, key: str, **options) -> dict:
+        start = self._key(f"{key}/item/")
+        end = start[:-1] + bytes([start[-1] + 1])
+        return self._call("/v3/kv/range", {"key": _b64(start), "range_end": _b64(end), **options})
 
     def queue_len(self, key: str) -> int:
-        return self.add(f"{key}/tail", 0) - self.add(f"{key}/head", 0)
+        return int(self._items(key, count_only=True).get("count", 0))
 
     def queue_pop(self, key: str, block: bool = True) -> bytes:
-        if not block and self.queue_len(key) <= 0:
-            raise dist.DistStoreError(f"etcd: queue {key} is empty")
-        item = f"{key}/item/{self.add(f'{key}/head', 1)}"
-        value = self.get(item)  # waits for the push, up to the store's timeout
-        self.delete_key(item)
-        return value
+        """The oldest item (by when it was written); waits for one (up to the store's timeout) if ``block``."""
+        deadline = time.monotonic() + (self.timeout.total_seconds() or float("inf"))
+        pause = _POLL_S[0]
+        while True:
+            kvs = self._items(key, sort_order="ASCEND", sort_target="CREATE", limit=1).get("kvs")
+            if kvs:
+                self._call("/v3/kv/deleterange", {"key": kvs[0]["key"]})
+                return base64.b64decode(kvs[0]["value"])
+            if not block:
+                raise dist.DistStoreError(f"etcd: queue {key} is empty")
+            if time.monotonic() > deadline:
+                raise dist.DistStoreError(f"etcd: queue {key} stayed empty for {self.timeout}")
+            time.sleep(pause)
+            pause = min(pause * 2, _POLL_S[1])

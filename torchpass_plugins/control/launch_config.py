@@ -92,9 +92,12 @@ class LaunchConfig:
             raise ValueError("multi-node jobs need the same join token on every node: set TORCHPASS_JOIN_TOKEN")
         if self.rdzv_backend == "etcd":
             members = self.rdzv_endpoint.split(",")
-            if not all(m.rpartition(":")[2].isdigit() and not m.endswith(":0") for m in members):
+            if not all(m.rpartition(":")[2].isdigit() and not m.endswith(":0") and "/" not in m for m in members):
                 raise ValueError("--rdzv-backend etcd needs --rdzv-endpoint HOST:PORT[,HOST:PORT...]: the etcd "
-                                 f"members' client addresses, not {self.rdzv_endpoint!r}")
+                                 f"members' client addresses, without a scheme, not {self.rdzv_endpoint!r}")
+            if not self.rdzv_id or "/" in self.rdzv_id:
+                raise ValueError("--rdzv-backend etcd needs --rdzv-id NAME (no '/'): a name no earlier run used "
+                                 "in this etcd cluster, whose keys would otherwise be read as this run's")
         elif self.nnodes > 1 and self.rdzv_endpoint.endswith(":0"):
             raise ValueError("multi-node jobs need a fixed --rdzv-endpoint HOST:PORT reachable from every node")
         if not self.command:

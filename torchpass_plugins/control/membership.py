@@ -77,7 +77,9 @@ def connect_store(endpoint: str, is_master: bool = False, timeout: float = 600.0
     """
     if endpoint.startswith(ETCD):
         members, _, job = endpoint.removeprefix(ETCD).partition("/")
-        return EtcdStore(members.split(","), prefix=f"torchpass/{job}", timeout=timedelta(seconds=timeout))
+        store = EtcdStore(members.split(","), prefix=f"torchpass/{job}", timeout=timedelta(seconds=timeout))
+        store.check(["reachable"])  # a cluster that never answers fails here, within the timeout
+        return store
     host, port = endpoint.rsplit(":", 1)
     fd = None
     if is_master:

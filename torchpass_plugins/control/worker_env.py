@@ -17,7 +17,7 @@ VARIABLE = "TORCHPASS_WORKER"
 
 @dataclass(frozen=True)
 class WorkerEnv:
-    store: str  # HOST:PORT of the job's store
+    store: str  # HOST:PORT of the job's store, or etcd://HOST:PORT,.../NAME
     token: str
     worker_id: str
     world_size: int
@@ -36,6 +36,14 @@ class WorkerEnv:
         """The settings of this worker, or None in a process no torchpass agent started."""
         text = environ.get(VARIABLE)
         return cls(**json.loads(text)) if text else None
+
+    @property
+    def store_host_port(self) -> tuple[str, int]:
+        """An address of the job's store (an etcd cluster's first member), for what asks for one
+        (``MASTER_ADDR``/``MASTER_PORT``, Lightning's ``main_address``)."""
+        first = self.store.removeprefix("etcd://").split("/", 1)[0].split(",")[0]
+        host, port = first.rsplit(":", 1)
+        return host, int(port)
 
     def to_env(self) -> dict[str, str]:
         return {VARIABLE: json.dumps(asdict(self))}

@@ -68,7 +68,7 @@ class ReconfigurableGroup(dist.ProcessGroup):
         self.timeout = timeout
         self.backends: dict[str, Backend] = {"cpu": GlooBackend()}
         self._groups: dict[str, dist.ProcessGroup] = {}
-        self._stores: dict[str, dist.Store] = {}  # each device's group's store, of the newest generation built
+        self._stores: dict[tuple[int, str], dist.Store] = {}  # each group's store, by generation and device
         self.gen = -1
         self.rank = -1  # an attribute here (over c10d's rank()): the wrappers answer c10d
         self.world_size = member.env.world_size
@@ -95,7 +95,8 @@ class ReconfigurableGroup(dist.ProcessGroup):
         """``backend``'s group of ``generation``, under store keys of its own (kept referenced while the
         group lives: a store written in Python, etcd's, is gone for torch once Python collects it)."""
         store = under(client, f"{self.name}/{generation}/{backend.device}")
-        self._stores[backend.device] = store
+        self._stores = {k: v for k, v in self._stores.items() if k[0] >= generation - 1}  # the live one stays
+        self._stores[generation, backend.device] = store
         return backend.build(store, rank, self.world_size, self.timeout)
 
     def built(self) -> bool:

@@ -18,7 +18,16 @@ import torch.distributed as dist
 
 _idle: list[queue.SimpleQueue] = []  # the inboxes of waiter threads that have nothing to wait for
 _lock = threading.Lock()
-os.register_at_fork(after_in_child=_idle.clear)  # a forked child has none of its parent's threads
+
+
+def _forked() -> None:
+    """A forked child has none of its parent's threads, and the lock may have been held by one of them."""
+    global _lock
+    _idle.clear()
+    _lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forked)
 
 
 def completion(work: dist.Work):
@@ -50,5 +59,6 @@ def _serve(inbox: queue.SimpleQueue) -> None:
             fut.set_result(None)
         except Exception as exc:  # handed over to the waiting thread
             fut.set_exception(exc)
+        del works, fut  # an idle waiter keeps no work (nor its tensors) alive
         with _lock:
             _idle.append(inbox)

@@ -145,9 +145,9 @@ class TorchPass:
             rt.seed_override = seed
         # Accelerate reads the layout from the environment: logical rank and world size, the slot's device.
         os.environ.update(RANK=str(rt.rank), WORLD_SIZE=str(rt.world_size), LOCAL_RANK=str(rt.env.local_slot))
-        host, port = rt.env.store.rsplit(":", 1)
+        host, port = rt.env.store_host_port
         os.environ.setdefault("MASTER_ADDR", host)
-        os.environ.setdefault("MASTER_PORT", port)
+        os.environ.setdefault("MASTER_PORT", str(port))
         if torch.cuda.is_available():  # Accelerate places each process on cuda:LOCAL_RANK (its slot's GPU)
             communicate_on(rt.transport, slot_gpu(rt.env.local_slot), process_group_backend)
         default_group.install(RetryingGroup(rt), rt.transport.timeout)

@@ -32,12 +32,12 @@ class TorchPassEnvironment(ClusterEnvironment):
     @property
     @override
     def main_address(self) -> str:
-        return self.runtime.env.store.rsplit(":", 1)[0]
+        return self.runtime.env.store_host_port[0]
 
     @property
     @override
     def main_port(self) -> int:
-        return int(self.runtime.env.store.rsplit(":", 1)[1])
+        return self.runtime.env.store_host_port[1]
 
     @staticmethod
     @override
