@@ -41,6 +41,7 @@ import gpu_nccl
 import torch
 from _harness import REPO, command_line, machine, machine_lines, update_section
 
+from torchpass_plugins.testing.chaos import jobs
 from torchpass_plugins.testing.chaos.jobs import run
 from torchpass_plugins.testing.chaos.oracle import differences
 
@@ -48,7 +49,7 @@ DOC = REPO / "docs" / "gpu.md"
 WORK = REPO / "benchmarks" / "out" / "gpu_check"
 STEPS = 16
 ON_CPU_STEPS = 10
-JOB_TIMEOUT = 240.0  # a hung job's workers print their stacks into its log (agent0.log), then it is killed
+JOB_TIMEOUT = jobs.JOB_TIMEOUT  # a hung job's workers print their stacks into its log (agent0.log), then it dies
 GPU = ["--accelerator", "gpu", "--deterministic", "--devices", "1", "--max-steps", str(STEPS), "--workers", "0"]
 NCCL = ["--process-group-backend", "nccl"]
 
@@ -226,12 +227,8 @@ def main(argv: list[str] | None = None) -> int:
     info = machine()
     count = torch.cuda.device_count()
     rows, failures = [], []
-    parts = [replay_against_live, shared_gpu_over_gloo, sharded_over_gloo, nccl_restart_on_a_new_communicator,
-             nvml_readings, snapshot_stall, nccl_with_survivors]
-    if ns.on_cpu:
-        parts.remove(nvml_readings)
-    if ns.parts:
-        parts = [PARTS[letter] for letter in ns.parts.split(",")]
+    letters = ns.parts.split(",") if ns.parts else [k for k in PARTS if not (ns.on_cpu and k == "c")]  # c: NVML
+    parts = [PARTS[letter] for letter in letters]
     for part in parts:
         t0 = time.perf_counter()
         try:

@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from torchpass_plugins.control.coordinator import Coordinator
 from torchpass_plugins.control.launch_config import LaunchConfig
-from torchpass_plugins.control.membership import connect_store, prefixed
+from torchpass_plugins.control.membership import StoreUnusable, open_job_store, prefixed
 from torchpass_plugins.control.policy import Action, Policy
 from torchpass_plugins.control.protocol import (
     ABORT_KEY,
@@ -80,19 +80,9 @@ class Agent:
     def run(self) -> int:
         cfg = self.config
         try:
-            self._client = connect_store(cfg.store_address or cfg.rdzv_endpoint,
-                                         is_master=cfg.node_rank == 0 and not cfg.external_store,
-                                         timeout=cfg.rdzv_timeout)
-        except (dist.DistError, OSError) as exc:
-            what = str(exc).splitlines()[0]
-            print(f"torchpass: no store at {cfg.rdzv_endpoint} within {cfg.rdzv_timeout:g} s ({what}): start node "
-                  "0's agent first, and check --rdzv-endpoint and that this node can reach it (node 0: that HOST "
-                  "is one of its addresses and PORT is free)", file=sys.stderr)
-            return 1
-        self.endpoint = cfg.store_address or f"{cfg.rdzv_endpoint.rsplit(':', 1)[0]}:{self._client.port}"
-        if cfg.store_address and any(prefixed(self._client).check([k]) for k in (DONE_KEY, ABORT_KEY, RESTART_KEY)):
-            print(f"torchpass: {self.endpoint} holds the keys of a run that ended; start this one under a new "
-                  "--rdzv-id", file=sys.stderr)
+            self._client, self.endpoint = open_job_store(cfg)
+        except StoreUnusable as exc:
+            print(f"torchpass: {exc}", file=sys.stderr)
             return 1
         self._begin_attempt()
         self._install_signals()

@@ -32,6 +32,27 @@ _REQUEST_S = 5.0  # one HTTP request; a member without quorum answers an error a
 _DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # never through an http_proxy
 
 
+SCHEME = "etcd://"  # a store address that names an etcd cluster: etcd://HOST:PORT,HOST:PORT,.../NAME
+
+
+def address(members: str, name: str) -> str:
+    """The store address of job ``name`` in the cluster whose client addresses are ``members`` (comma-separated)."""
+    return f"{SCHEME}{members}/{name}"
+
+
+def members_of(store_address: str) -> list[str]:
+    """The members' ``HOST:PORT`` of an etcd store address."""
+    return store_address.removeprefix(SCHEME).split("/", 1)[0].split(",")
+
+
+def open_address(store_address: str, timeout: timedelta) -> EtcdStore:
+    """A client of the job's keys at ``store_address``, once some member answers (else ``DistStoreError``)."""
+    store = EtcdStore(members_of(store_address), prefix=f"torchpass/{store_address.rsplit('/', 1)[1]}",
+                      timeout=timeout)
+    store.check(["reachable"])
+    return store
+
+
 def _b64(data: bytes) -> str:
     return base64.b64encode(data).decode()
 

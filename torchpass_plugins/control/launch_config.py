@@ -7,6 +7,7 @@ import importlib.util
 from dataclasses import dataclass
 
 from torchpass_plugins.config import AgentConfig, TorchPassConfig
+from torchpass_plugins.control.etcd_store import address
 from torchpass_plugins.health.watch import HealthConfig, HealthThresholds
 
 
@@ -66,7 +67,7 @@ class LaunchConfig:
     def store_address(self) -> str | None:
         """Where every process of the job finds an etcd store (``etcd://HOST:PORT,.../ID``); ``None`` for
         node 0's TCPStore, whose port is known once it listens."""
-        return f"etcd://{self.rdzv_endpoint}/{self.rdzv_id}" if self.rdzv_backend == "etcd" else None
+        return address(self.rdzv_endpoint, self.rdzv_id) if self.rdzv_backend == "etcd" else None
 
     @property
     def processes(self) -> int:

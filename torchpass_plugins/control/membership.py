@@ -16,15 +16,18 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
+from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
-from torchpass_plugins.control.etcd_store import EtcdStore
+from torchpass_plugins.control.etcd_store import SCHEME, EtcdStore, open_address
 from torchpass_plugins.control.protocol import (
+    ABORT_KEY,
     DONE_KEY,
     DRAIN_KEY,
     LEAVING,
     PREFIX,
+    RESTART_KEY,
     Join,
     Roster,
     assign_key,
@@ -37,8 +40,10 @@ from torchpass_plugins.control.protocol import (
 )
 from torchpass_plugins.control.worker_env import WorkerEnv
 
+if TYPE_CHECKING:
+    from torchpass_plugins.control.launch_config import LaunchConfig
+
 _POLL_S = 0.02
-ETCD = "etcd://"  # a store address that names an etcd cluster
 _WATCH_WAIT = timedelta(hours=1)  # a bound only: the coordinator or ``close`` ends the wait
 
 
@@ -75,11 +80,8 @@ def connect_store(endpoint: str, is_master: bool = False, timeout: float = 600.0
     The server listens on the endpoint's address only (torch's own would listen on every interface):
     ``127.0.0.1:0`` is reachable from this machine alone.
     """
-    if endpoint.startswith(ETCD):
-        members, _, job = endpoint.removeprefix(ETCD).partition("/")
-        store = EtcdStore(members.split(","), prefix=f"torchpass/{job}", timeout=timedelta(seconds=timeout))
-        store.check(["reachable"])  # a cluster that never answers fails here, within the timeout
-        return store
+    if endpoint.startswith(SCHEME):
+        return open_address(endpoint, timedelta(seconds=timeout))
     host, port = endpoint.rsplit(":", 1)
     fd = None
     if is_master:
@@ -103,6 +105,30 @@ def under(store: dist.Store, prefix: str) -> dist.Store:
     """``store``'s keys under ``prefix``. An etcd store makes a store of its own: torch's ``PrefixStore``
     would hide its queue, which torch does not forward to a store written in Python."""
     return store.under(prefix) if isinstance(store, EtcdStore) else dist.PrefixStore(prefix, store)
+
+
+class StoreUnusable(RuntimeError):
+    """An agent cannot use the job's store; the message says what to change."""
+
+
+def open_job_store(cfg: LaunchConfig) -> tuple[dist.Store, str]:
+    """An agent's client of the job's store (node 0's agent serves a TCPStore), and the address its workers
+    reach it at. An etcd store that already holds an ended run's keys under this name is refused: a new
+    run would read them as its own."""
+    try:
+        store = connect_store(cfg.store_address or cfg.rdzv_endpoint, timeout=cfg.rdzv_timeout,
+                              is_master=cfg.node_rank == 0 and not cfg.external_store)
+    except (dist.DistError, OSError) as exc:
+        raise StoreUnusable(
+            f"no store at {cfg.rdzv_endpoint} within {cfg.rdzv_timeout:g} s ({str(exc).splitlines()[0]}): start "
+            "node 0's agent first, and check --rdzv-endpoint and that this node can reach it (node 0: that HOST "
+            "is one of its addresses and PORT is free)") from exc
+    if cfg.store_address is None:
+        return store, f"{cfg.rdzv_endpoint.rsplit(':', 1)[0]}:{store.port}"
+    first = prefixed(store)
+    if any(first.check([key]) for key in (DONE_KEY, ABORT_KEY, RESTART_KEY)):
+        raise StoreUnusable(f"{cfg.store_address} holds an ended run's keys; use a new --rdzv-id")
+    return store, cfg.store_address
 
 
 def wait_key(store: dist.Store, key: str, stop: threading.Event | None = None, poll: float = _POLL_S) -> bytes:

@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 
 from torchpass_plugins.config import StragglerConfig
+from torchpass_plugins.control.etcd_store import members_of
 
 VARIABLE = "TORCHPASS_WORKER"
 
@@ -41,8 +42,7 @@ class WorkerEnv:
     def store_host_port(self) -> tuple[str, int]:
         """An address of the job's store (an etcd cluster's first member), for what asks for one
         (``MASTER_ADDR``/``MASTER_PORT``, Lightning's ``main_address``)."""
-        first = self.store.removeprefix("etcd://").split("/", 1)[0].split(",")[0]
-        host, port = first.rsplit(":", 1)
+        host, port = members_of(self.store)[0].rsplit(":", 1)
         return host, int(port)
 
     def to_env(self) -> dict[str, str]:

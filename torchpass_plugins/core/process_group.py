@@ -8,12 +8,10 @@ tensors), so logical rank = backend rank in every generation and a spare takes a
 A collective whose peer died may block the survivors until the backend's timeout, and for gloo neither
 ``abort()`` nor ``destroy_process_group()`` from another thread unblocks it. So every operation is issued
 asynchronously and waited on in short slices: the wait ends as soon as the work completes *or* the
-member's roster watch reports a newer generation (then :class:`PeerFailure`). For gloo the waiting thread
-sleeps in gloo's own condition variable (``Work.wait(timeout)`` gives up without touching the operation);
-CUDA work is polled with ``is_completed()``, which asks the work's CUDA events: the host waits for that
-work to finish (the commit rule needs to know it did), never for the whole device. The stuck generation
-is aborted (:meth:`abort`) or, where its backend cannot abort, abandoned; its own timeout fires later,
-harmlessly, as a backstop.
+member's roster watch reports a newer generation (then :class:`PeerFailure`). Gloo's work (CUDA tensors it
+carries too) is waited for in slices or on a waiter thread; NCCL's is polled through its CUDA events, so
+the host waits for that work, never for the whole device. The stuck generation is aborted (:meth:`abort`)
+or, where its backend cannot abort, abandoned; its own timeout fires later, harmlessly, as a backstop.
 
 The blocking verbs (``all_reduce``, ``broadcast_from``, ``send_many`` ...) are what the protocol uses;
 the ``torch.distributed.ProcessGroup`` methods issue on the current generation and return its ``Work``,
@@ -60,8 +58,7 @@ class ReconfigurableGroup(dist.ProcessGroup):
     """The member's process group, at its logical rank, in the current generation."""
 
     def __init__(self, member: Member, timeout: timedelta, name: str = "pg") -> None:
-        # c10d never sees this group (the default group is a wrapper on it), so its C++ rank stays 0: the
-        # logical rank, known once the coordinator assigns it, is the ``rank`` attribute.
+        # c10d never sees this group (the default group wraps it): its C++ rank stays 0; ``rank`` is the logical one
         super().__init__(0, member.env.world_size)
         self.member = member
         self.name = name  # store prefix: groups of the same generation with other names are independent
@@ -74,7 +71,7 @@ class ReconfigurableGroup(dist.ProcessGroup):
         self.world_size = member.env.world_size
         self._failure: str | None = None  # what failed in this generation (it cannot be used again)
         self._escaped: list = []  # completion futures of operations that may still be pending (see _retire)
-        self._on_device: dict[int, dist.Work] = {}  # issued CUDA work, polled rather than waited in slices
+        self._on_device: dict[int, dist.Work] = {}  # issued NCCL work, polled rather than waited in slices
         self.waited = 0.0  # seconds spent waiting for operations so far (straggler detection subtracts it)
 
     # -- identity ---------------------------------------------------------------------------------------
@@ -92,11 +89,10 @@ class ReconfigurableGroup(dist.ProcessGroup):
             self._groups[backend.device] = self._build(backend, self.gen, self.rank, self.member.thread_store())
 
     def _build(self, backend: Backend, generation: int, rank: int, client: dist.Store) -> dist.ProcessGroup:
-        """``backend``'s group of ``generation``, under store keys of its own (kept referenced while the
-        group lives: a store written in Python, etcd's, is gone for torch once Python collects it)."""
+        """``backend``'s group of ``generation`` under keys of its own; the store stays referenced (etcd's)."""
         store = under(client, f"{self.name}/{generation}/{backend.device}")
-        self._stores = {k: v for k, v in self._stores.items() if k[0] >= generation - 1}  # the live one stays
-        self._stores[generation, backend.device] = store
+        kept = {k: v for k, v in self._stores.items() if k[0] >= generation - 1}  # the live generation's too
+        self._stores = {**kept, (generation, backend.device): store}
         return backend.build(store, rank, self.world_size, self.timeout)
 
     def built(self) -> bool:
@@ -175,7 +171,7 @@ class ReconfigurableGroup(dist.ProcessGroup):
         self.check()
         device = tensors[0].device.type if tensors else "cpu"
         own_backend = device != "cpu" and device in self._groups
-        group = self._groups[device] if own_backend else self._groups["cpu"]  # gloo carries CUDA tensors too
+        group = self._groups[device if own_backend else "cpu"]  # gloo carries CUDA tensors too
         try:
             work = getattr(group, op)(*args)
         except RuntimeError as exc:  # the backend refused it (NCCL: a communicator its watchdog aborted)
@@ -185,8 +181,7 @@ class ReconfigurableGroup(dist.ProcessGroup):
         return work
 
     def on_device(self, work: dist.Work) -> bool:
-        """Whether ``work`` runs on a device's own backend (NCCL): its ``wait`` then only orders the caller's
-        stream after it. Host work, and CUDA tensors carried by gloo, block the caller in ``wait``."""
+        """Whether ``work`` is NCCL's, whose ``wait`` only orders streams (gloo's blocks, CUDA tensors too)."""
         return id(work) in self._on_device
 
     def allreduce(self, tensors: list[torch.Tensor], opts=None) -> dist.Work:

@@ -3,6 +3,7 @@ ports; members can be stopped (SIGKILL) and started again on the same data, as a
 
 from __future__ import annotations
 
+import ctypes
 import shutil
 import signal
 import subprocess
@@ -13,6 +14,13 @@ from pathlib import Path
 from torchpass_plugins.testing.chaos.jobs import free_port
 
 START_TIMEOUT_S = 30.0
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    """In the member, before etcd starts: SIGKILL when the process that started it ends, so that a test
+    process killed before its cleanup (a timeout, a cancelled run) leaves no member behind."""
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 def etcd_binary() -> str:
@@ -66,7 +74,7 @@ class EtcdCluster:
             "--initial-advertise-peer-urls", f"http://127.0.0.1:{self.peer[i]}",
             "--initial-cluster", self.initial, "--initial-cluster-state", state,
             "--initial-cluster-token", f"torchpass-test-{self.peer[0]}",
-        ], stdout=log, stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+        ], stdout=log, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_die_with_parent)  # fmt: skip
         log.close()
 
     def stop_member(self, i: int) -> None:
