@@ -147,10 +147,7 @@ def test_a_lost_node_with_its_agent_is_replaced_by_a_spare_on_another_node(tmp_p
                 launch_args=("--heartbeat-timeout", "3"))
     try:
         job.wait_until(lambda: len(job.applied(1)) >= 5, "rank 1 to train")
-        node1 = [e["pid"] for e in job.events("worker_started") if e["source"] == "agent1"]
-        os.killpg(job.agents[1].pid, signal.SIGKILL)
-        for pid in node1:
-            os.kill(pid, signal.SIGKILL)
+        job.kill_node(1)
         codes = job.wait()
     finally:
         job.kill()

@@ -23,6 +23,7 @@ from torchpass_plugins.control.protocol import (
     decode,
     encode,
 )
+from torchpass_plugins.control.silence import BeatClocks
 from torchpass_plugins.health.watch import Finding
 
 A = Action
@@ -153,3 +154,22 @@ def test_a_message_this_code_does_not_know_fails_loud():
         decode(json.dumps({"kind": "exit", "worker": "n0-s0-i0"}))  # its code is missing
     with pytest.raises(ProtocolError, match=r"'stop' has fields \['now'\]"):
         decode(json.dumps({"kind": "stop", "now": 1}))
+
+
+def test_silence_counts_only_while_the_store_answers(monkeypatch):
+    """A beat counter that does not move is silent for the time since it last moved, except that a slow
+    store call (the store was out: nobody could beat) starts every clock again."""
+    now = [100.0]
+    monkeypatch.setattr("torchpass_plugins.control.silence.time.monotonic", lambda: now[0])
+    clocks = BeatClocks(timeout=4.0)
+    assert clocks.silent_for("w", 3) == 0.0
+    now[0] += 1.5
+    with clocks.store_call():
+        now[0] += 1.0  # a normal call, under half the timeout
+    assert clocks.silent_for("w", 3) == 2.5
+    assert clocks.silent_for("v", 1) == 0.0
+    with clocks.store_call():
+        now[0] += 3.0  # the store was out for longer than half the timeout
+    assert clocks.silent_for("w", 3) == 0.0 and clocks.silent_for("v", 1) == 0.0
+    now[0] += 5.0
+    assert clocks.silent_for("w", 3) == 5.0 and clocks.silent_for("w", 4) == 0.0

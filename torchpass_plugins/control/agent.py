@@ -15,13 +15,14 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch.distributed as dist
 
 from torchpass_plugins.control.coordinator import Coordinator
 from torchpass_plugins.control.launch_config import LaunchConfig
+from torchpass_plugins.control.leadership import Election, JournaledInbox, QueueInbox, Sole
 from torchpass_plugins.control.membership import StoreUnusable, open_job_store, prefixed
 from torchpass_plugins.control.policy import Action, Policy
 from torchpass_plugins.control.protocol import (
@@ -31,14 +32,13 @@ from torchpass_plugins.control.protocol import (
     RESTART_KEY,
     Exit,
     Migrate,
-    NodeLost,
-    Stop,
     agent_beat_key,
     evict_key,
     heartbeat_key,
     node_lost_key,
     send,
 )
+from torchpass_plugins.control.silence import BeatClocks, watch_nodes
 from torchpass_plugins.control.worker_env import WorkerEnv
 from torchpass_plugins.control.zygote import Zygote, worker_command
 from torchpass_plugins.errors import with_prefix
@@ -56,12 +56,11 @@ class _Slot:
     incarnation: int = 0
     proc: subprocess.Popen | None = None
     worker_id: str = ""
-    beats: int = 0
-    last_change: float = field(default_factory=time.monotonic)
 
 
 class Agent:
-    """Supervises the workers of one node; node 0's agent also hosts the store and the coordinator."""
+    """Supervises the workers of one node. Node 0's agent also hosts the store (a TCPStore) and the
+    coordinator; with etcd, the agents elect which one coordinates."""
 
     def __init__(self, config: LaunchConfig) -> None:
         config.validate()
@@ -76,6 +75,7 @@ class Agent:
         self._coordinator_thread: threading.Thread | None = None
         self.unhealthy: set[int] = set()  # slots whose device the health watch moved work off: never refilled
         self._done = threading.Event()
+        self.clocks = BeatClocks(config.heartbeat_timeout)  # how long each worker's heartbeat has not moved
 
     def run(self) -> int:
         cfg = self.config
@@ -97,8 +97,6 @@ class Agent:
             self._spawn(slot)
         threading.Thread(target=HealthWatch(cfg.health).run, args=(self._watched_devices, self._on_device, self._done),
                          name="torchpass-health", daemon=True).start()
-        if cfg.node_rank == 0 and cfg.nnodes > 1 and not cfg.external_store:
-            threading.Thread(target=self._watch_nodes, name="torchpass-nodes", daemon=True).start()
         metrics = serve(cfg.metrics_addr, cfg.run_dir) if cfg.metrics_addr and cfg.node_rank == 0 else None
         try:
             code = self._supervise()
@@ -110,29 +108,52 @@ class Agent:
                 self._zygote.close()
             self._kill_all()
             self.store.add(_AGENTS_DONE, 1)
-            if cfg.node_rank == 0 and not cfg.external_store:
+            if cfg.node_rank == 0 and not cfg.external_store and cfg.store_address is None:
                 self._wait_other_agents()
             self._stop_coordinator()
         return code
 
     # -- attempts -------------------------------------------------------------------------------------
     def _begin_attempt(self) -> None:
-        """Use the keys of attempt ``self.attempt``; node 0 starts its coordinator."""
+        """Use the keys of attempt ``self.attempt``, and stand for coordinating it (``leadership``)."""
         cfg = self.config
         self.store = prefixed(self._client, self.attempt)
         self.policy = Policy(restarts_left=cfg.max_restarts - self.attempt, spare_wait_s=cfg.spare_wait,
                              refill=cfg.refill, straggler_migrate=cfg.straggler_migrate,
                              heartbeat_timeout=cfg.heartbeat_timeout)
-        if cfg.node_rank == 0:
-            self.coordinator = Coordinator(prefixed(self._client.clone(), self.attempt), self.token, cfg.processes,
-                                           cfg.world_size, self.events, self.policy,
-                                           timer_store=prefixed(self._client.clone(), self.attempt))
-            self._coordinator_thread = threading.Thread(target=self.coordinator.run, daemon=True)
-            self._coordinator_thread.start()
+        attempt = self.attempt
+        if cfg.store_address is None:
+            self._candidacy = Sole(lambda: prefixed(self._client.clone(), attempt), leads=cfg.node_rank == 0)
+        else:
+            self._candidacy = Election(prefixed(self._client.clone(), attempt), cfg.node_rank, cfg.heartbeat_timeout)
+        self._coordinator_thread = threading.Thread(target=self._candidacy.run, args=(self._lead,), daemon=True,
+                                                    name="torchpass-candidacy")
+        self._coordinator_thread.start()
+
+    def _lead(self, store: dist.Store, inbox: QueueInbox | JournaledInbox) -> None:
+        """Coordinate the job (restoring a predecessor's state), and watch the other nodes' agents."""
+        cfg = self.config
+        coordinator = Coordinator(store, self.token, cfg.processes, cfg.world_size, self.events, self.policy,
+                                  timer_store=store.clone())
+        state = inbox.predecessor_state()
+        if state is not None:
+            coordinator.restore(state)
+        if cfg.store_address is not None:
+            self.events.emit("coordinator_elected", node=cfg.node_rank, gen=coordinator.gen,
+                             took_over=state is not None)
+        term_over = threading.Event()
+        if cfg.nnodes > 1 and not cfg.external_store:
+            others = [n for n in range(cfg.nnodes) if n != cfg.node_rank]
+            threading.Thread(target=watch_nodes, name="torchpass-nodes", daemon=True, args=(
+                store.clone(), others, self.policy, self.events, cfg.heartbeat_interval, term_over)).start()
+        try:
+            coordinator.run(inbox)
+        finally:
+            term_over.set()
 
     def _stop_coordinator(self) -> None:
         if self._coordinator_thread is not None:
-            send(self.store, Stop())
+            self._candidacy.close()
             self._coordinator_thread.join(timeout=5)
             self._coordinator_thread = None
 
@@ -169,7 +190,6 @@ class Agent:
             slot.proc = self._zygote.spawn(list(cfg.command), worker_env)
         else:
             slot.proc = subprocess.Popen(worker_command(list(cfg.command)), env=worker_env, start_new_session=True)
-        slot.beats, slot.last_change = 0, time.monotonic()
         self.events.emit("worker_started", worker=slot.worker_id, pid=slot.proc.pid, slot=slot.index)
 
     def _supervise(self) -> int:
@@ -184,19 +204,22 @@ class Agent:
             check = time.monotonic() >= next_check
             if check:
                 next_check = time.monotonic() + cfg.heartbeat_interval
-                if self.store.check([RESTART_KEY]):
+                with self.clocks.store_call():
+                    restart, aborted = self.store.check([RESTART_KEY]), self.store.check([ABORT_KEY])
+                    written_off = self.store.check([node_lost_key(cfg.node_rank)])
+                    self.store.add(agent_beat_key(cfg.node_rank), 1)
+                    done = self.store.check([DONE_KEY])
+                if restart:
                     self._restart(self.store.get(RESTART_KEY).decode())
                     done, next_check = False, 0.0
                     continue
-                if self.store.check([ABORT_KEY]):
+                if aborted:
                     print(f"torchpass: job aborted: {self.store.get(ABORT_KEY).decode()}", file=sys.stderr, flush=True)
                     return 1
-                if self.store.check([node_lost_key(cfg.node_rank)]):
+                if written_off:
                     print("torchpass: the job wrote this node off (its agent was silent too long); stopping its "
                           "workers", file=sys.stderr, flush=True)
                     return 1
-                self.store.add(agent_beat_key(cfg.node_rank), 1)
-                done = self.store.check([DONE_KEY])
             alive = 0
             for slot in self.slots:
                 if slot.proc is None:
@@ -242,33 +265,6 @@ class Agent:
         return 0 if outcome == "done" else 1
 
     # -- other nodes ----------------------------------------------------------------------------------
-    def _watch_nodes(self) -> None:
-        """Node 0: a node whose agent stops counting up its beat for ``heartbeat_timeout`` is lost with all
-        its workers (a machine that died takes its agent along, and only an agent reports its workers'
-        exits): the coordinator replaces them as if each had exited."""
-        cfg = self.config
-        seen: dict[int, tuple[int, float]] = {}
-        lost: set[int] = set()
-        attempt, store = -1, None
-        while not self._done.wait(cfg.heartbeat_interval):
-            if attempt != self.attempt:  # every attempt counts anew, under its own keys
-                attempt, store, seen = self.attempt, prefixed(self._client.clone(), self.attempt), {}
-            if store.check([DONE_KEY]):
-                continue
-            now = time.monotonic()
-            for node in range(1, cfg.nnodes):
-                if node in lost:
-                    continue
-                beats = int(store.add(agent_beat_key(node), 0))
-                if beats == 0 or seen.get(node, (None,))[0] != beats:
-                    seen[node] = (beats, now)
-                elif (decision := self.policy.silence(now - seen[node][1])).action is Action.EVICT:
-                    lost.add(node)
-                    why = f"the agent of node {node} was {decision.why}"
-                    self.events.emit("node_lost", node=node, why=why)
-                    store.set(node_lost_key(node), why)
-                    send(store, NodeLost(node, why))
-
     # -- device health --------------------------------------------------------------------------------
     def _watched_devices(self) -> list[int]:
         """Slot i uses GPU i (its workers' local rank): the devices of running workers not yet moved off."""
@@ -295,14 +291,12 @@ class Agent:
         if self.store.check([evicted]):  # alive, but it stalled the others: replaced
             self.events.emit("worker_evicted", worker=slot.worker_id, why=self.store.get(evicted).decode())
         else:
-            beats = int(self.store.add(heartbeat_key(slot.worker_id), 0))
-            now = time.monotonic()
-            if beats != slot.beats:
-                slot.beats, slot.last_change = beats, now
+            with self.clocks.store_call():
+                beats = int(self.store.add(heartbeat_key(slot.worker_id), 0))
+            silent_s = self.clocks.silent_for(slot.worker_id, beats)
+            if not (0 < beats < LEAVING and self.policy.silence(silent_s).action is Action.EVICT):
                 return
-            if not (0 < beats < LEAVING and self.policy.silence(now - slot.last_change).action is Action.EVICT):
-                return
-            self.events.emit("hang_detected", worker=slot.worker_id, silent_s=now - slot.last_change)
+            self.events.emit("hang_detected", worker=slot.worker_id, silent_s=silent_s)
         slot.proc.kill()
         slot.proc.wait()
 

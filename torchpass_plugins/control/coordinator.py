@@ -1,10 +1,13 @@
-"""The coordinator: keeps the roster. It runs as a thread of node 0's agent, never in a training worker.
+"""The coordinator: keeps the roster. It runs as a thread of one agent (``leadership`` says which), never in a
+training worker.
 
 Inputs arrive on one store queue, the inbox (``protocol``'s messages): workers announce themselves
-(``Join``); agents report every worker exit (``Exit``, at once, faster than any heartbeat). The coordinator
-blocks on the inbox, so an idle job costs it nothing: no polling next to the training processes. What to do
-about each observation is its ``Policy``'s decision; the coordinator carries it out. Outputs are rosters
-(``roster/{gen}``) and assignments (``assign/{worker}``). One failure costs O(world size) small keys.
+(``Join``); agents report every worker exit (``Exit``, at once, faster than any heartbeat). With a TCPStore
+the coordinator blocks on the inbox; with etcd it looks at most ten times a second, in its agent, never
+next to the training processes. What to do about each observation is its ``Policy``'s decision; the
+coordinator carries it out, deterministically (a successor handling the same batch from the same ``state``
+writes the same keys). Outputs are rosters (``roster/{gen}``) and assignments (``assign/{worker}``). One
+failure costs O(world size) small keys.
 """
 
 from __future__ import annotations
@@ -12,17 +15,16 @@ from __future__ import annotations
 import json
 import threading
 from collections import deque
-from dataclasses import dataclass, field
-from datetime import timedelta
+from dataclasses import asdict, dataclass, field
 
 import torch.distributed as dist
 
+from torchpass_plugins.control.leadership import JournaledInbox, QueueInbox
 from torchpass_plugins.control.policy import Action, Decision, Policy
 from torchpass_plugins.control.protocol import (
     ABORT_KEY,
     DONE_KEY,
     DRAIN_KEY,
-    INBOX,
     RESTART_KEY,
     TRAINED_KEY,
     Exit,
@@ -47,9 +49,8 @@ from torchpass_plugins.control.protocol import (
     send,
     watch_key,
 )
-from torchpass_plugins.observe.events import EventLog
+from torchpass_plugins.observe.events import EventLog, HeldEvents
 
-_FOREVER = timedelta(days=365)  # the inbox wait has no deadline: the agent ends it with a stop message
 # The order in which one batch of messages is handled (arrival order within each): joins first; a moving
 # worker's ``LeftForMigration`` before its ``Exit``, which is then no failure; the ranks lost in one batch are
 # replaced by one roster.
@@ -96,17 +97,40 @@ class Coordinator:
     timer_store: dist.Store | None = None  # a connection of its own for delayed messages (default: ``store``)
     _short: list[int] = field(default_factory=list)  # lost ranks that wait for a spare
 
-    def run(self) -> None:
-        """Handle messages as they arrive, until a ``Stop`` (pushed by the hosting agent)."""
-        self.store.set_timeout(_FOREVER)
+    def run(self, inbox: QueueInbox | JournaledInbox) -> None:
+        """Handle messages as they arrive, until a ``Stop``; the inbox saves the state after each batch, and
+        the batch's events are logged once it is saved (``HeldEvents``)."""
+        self.events = HeldEvents(self.events)
         while True:
-            first = self.store.queue_pop(INBOX, block=True)
-            if not self.handle([first, *self._pop_all()]):
+            go_on = self.handle(inbox.take())
+            inbox.handled(self.state())
+            self.events.release()
+            if not go_on:
                 return
 
     def poll(self) -> None:
         """Handle the messages waiting now (tests drive the coordinator this way)."""
-        self.handle(self._pop_all())
+        self.handle(QueueInbox(self.store).waiting())
+
+    def state(self) -> dict:
+        """What a successor needs to go on where this coordinator stopped (see ``leadership``)."""
+        return {"gen": self.gen, "ranks": self.ranks, "spares": list(self.spares), "finished": sorted(self.finished),
+                "outcome": self.outcome, "ranks_before": self.ranks_before, "moves": self._moves,
+                "moving": None if self.moving is None else asdict(self.moving), "left": sorted(self._left),
+                "waiting": self._waiting, "stalled": {g: sorted(w) for g, w in self._stalled.items()},
+                "short": self._short}
+
+    def restore(self, state: dict) -> None:
+        """Take over from a coordinator whose last state was ``state``; its pending timers are armed again."""
+        self.gen, self.ranks, self.spares = state["gen"], state["ranks"], deque(state["spares"])
+        self.finished, self.outcome, self.ranks_before = set(state["finished"]), state["outcome"], state["ranks_before"]
+        self._moves, self.moving = state["moves"], None if state["moving"] is None else Move(**state["moving"])
+        self._left, self._waiting, self._short = set(state["left"]), state["waiting"], state["short"]
+        self._stalled = {int(g): set(w) for g, w in state["stalled"].items()}
+        if self._short:
+            self._later(self.policy.spare_wait_s, SpareDeadline(self.gen))
+        for gen in self._stalled:
+            self._later(self.policy.heartbeat_timeout, StallVerdict(gen))
 
     def handle(self, raw: list[bytes]) -> bool:
         """Handle one batch of messages in ``_PHASE`` order. False on ``Stop``."""
@@ -142,12 +166,6 @@ class Coordinator:
         if (lost or self._short) and self.outcome is None:
             self._replace(self._short + lost)
         return not stop
-
-    def _pop_all(self) -> list[bytes]:
-        items = []
-        while self.store.queue_len(INBOX) > 0:
-            items.append(self.store.queue_pop(INBOX, block=False))
-        return items
 
     def _on_join(self, worker_id: str) -> None:
         if self.store.get(join_key(worker_id)).decode() != self.token:

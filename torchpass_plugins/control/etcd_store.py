@@ -53,6 +53,10 @@ def open_address(store_address: str, timeout: timedelta) -> EtcdStore:
     return store
 
 
+class Deposed(RuntimeError):
+    """A fenced write found that its writer no longer holds the key it is fenced by (another leads now)."""
+
+
 def _b64(data: bytes) -> str:
     return base64.b64encode(data).decode()
 
@@ -72,6 +76,7 @@ class EtcdStore(dist.Store):
         self._urls = [f"{scheme}://{e}" for e in endpoints]
         self._first = 0  # the endpoint that answered last
         self._prefix = prefix.encode().rstrip(b"/") + b"/"
+        self._fence: list[dict] = []  # compared by every write (see ``fenced``)
         self.set_timeout(timeout)
 
     def clone(self) -> EtcdStore:
@@ -82,7 +87,18 @@ class EtcdStore(dist.Store):
         """A client of the keys under ``prefix`` (torch's ``PrefixStore`` would hide the queue methods)."""
         scheme, _ = self._urls[0].split("://", 1)
         path = self._prefix.decode() + prefix if prefix else self._prefix[:-1].decode()
-        return EtcdStore([u.split("://", 1)[1] for u in self._urls], path, self.timeout, scheme)
+        store = EtcdStore([u.split("://", 1)[1] for u in self._urls], path, self.timeout, scheme)
+        store._fence = self._fence
+        return store
+
+    def fenced(self, key: str, created: int) -> EtcdStore:
+        """A client whose every write is applied only while ``key`` is the one created at revision ``created``
+        (the leader key it won), and otherwise raises ``Deposed``: a leader that lost its lease unnoticed (cut
+        off, paused) cannot write once another has won, whatever its clock says."""
+        store = self.under("")
+        store._fence = [{"key": _b64(self._key(key)), "target": "CREATE", "result": "EQUAL",
+                         "create_revision": str(created)}]
+        return store
 
     # -- the gateway --------------------------------------------------------------------------------------
     def _call(self, path: str, body: dict) -> dict:
@@ -116,17 +132,31 @@ class EtcdStore(dist.Store):
         kvs = self._call("/v3/kv/range", {"key": _b64(self._key(key))}).get("kvs")
         return kvs[0] if kvs else None
 
+    def _txn(self, compare: list[dict], success: list[dict]) -> bool:
+        """One transaction, fenced: whether ``compare`` held (``success`` applied). Raises ``Deposed`` when
+        the fence does not hold."""
+        reply = self._call("/v3/kv/txn", {"compare": compare + self._fence, "success": success})
+        if reply.get("succeeded"):
+            return True
+        if self._fence and not self._call("/v3/kv/txn", {"compare": self._fence}).get("succeeded"):
+            raise Deposed(f"etcd: {base64.b64decode(self._fence[0]['key']).decode()} is no longer this writer's")
+        return False
+
     def _put_if(self, key: str, revision: int, value: bytes) -> bool:
         """Put ``value`` if ``key``'s last change is ``revision`` (0: if it does not exist)."""
         k = _b64(self._key(key))
         compare = {"key": k, "target": "MOD", "result": "EQUAL", "mod_revision": str(revision)}
-        reply = self._call("/v3/kv/txn", {"compare": [compare],
-                                          "success": [{"request_put": {"key": k, "value": _b64(value)}}]})
-        return bool(reply.get("succeeded"))
+        return self._txn([compare], [{"request_put": {"key": k, "value": _b64(value)}}])
+
+    def _put(self, key: str, value: bytes) -> dict:
+        return {"request_put": {"key": _b64(self._key(key)), "value": _b64(value)}}
+
+    def _delete(self, key: str) -> dict:
+        return {"request_delete_range": {"key": _b64(self._key(key))}}
 
     # -- torch.distributed.Store --------------------------------------------------------------------------
     def set(self, key: str, value: str | bytes) -> None:
-        self._call("/v3/kv/put", {"key": _b64(self._key(key)), "value": _b64(_bytes(value))})
+        self._txn([], [self._put(key, _bytes(value))])
 
     def get(self, key: str) -> bytes:
         self.wait([key])
@@ -171,7 +201,14 @@ class EtcdStore(dist.Store):
             pause = min(pause * 2, _POLL_S[1])
 
     def delete_key(self, key: str) -> bool:
+        if self._fence:
+            existed = self.check([key])
+            return self._txn([], [self._delete(key)]) and existed
         return int(self._call("/v3/kv/deleterange", {"key": _b64(self._key(key))}).get("deleted", 0)) > 0
+
+    def write(self, puts: dict[str, bytes], deletes: list[str]) -> None:
+        """Put and delete keys in one transaction: all of them or none."""
+        self._txn([], [self._put(k, v) for k, v in puts.items()] + [self._delete(k) for k in deletes])
 
     def num_keys(self) -> int:
         end = self._prefix[:-1] + bytes([self._prefix[-1] + 1])
@@ -198,7 +235,7 @@ class EtcdStore(dist.Store):
         while True:
             kvs = self._items(key, sort_order="ASCEND", sort_target="CREATE", limit=1).get("kvs")
             if kvs:
-                self._call("/v3/kv/deleterange", {"key": kvs[0]["key"]})
+                self._txn([], [{"request_delete_range": {"key": kvs[0]["key"]}}])
                 return base64.b64decode(kvs[0]["value"])
             if not block:
                 raise dist.DistStoreError(f"etcd: queue {key} is empty")
@@ -206,3 +243,40 @@ class EtcdStore(dist.Store):
                 raise dist.DistStoreError(f"etcd: queue {key} stayed empty for {self.timeout}")
             time.sleep(pause)
             pause = min(pause * 2, _POLL_S[1])
+
+    def queue_take(self, key: str, into: str, limit: int = 100) -> list[bytes]:
+        """Move the oldest items of queue ``key`` (up to ``limit``: one transaction stays under etcd's
+        128 operations) into one JSON list at ``into``, atomically; ``[]`` if the queue is empty. A consumer
+        that dies before it is done with them leaves them at ``into`` for the next one."""
+        kvs = self._items(key, sort_order="ASCEND", sort_target="CREATE", limit=limit).get("kvs") or []
+        if not kvs:
+            return []
+        items = [base64.b64decode(kv["value"]) for kv in kvs]
+        taken = json.dumps([item.decode() for item in items]).encode()
+        self._txn([], [self._put(into, taken)] + [{"request_delete_range": {"key": kv["key"]}} for kv in kvs])
+        return items
+
+    # -- leases (the coordinator's leadership) ----------------------------------------------------------------
+    def grant_lease(self, ttl: float) -> int:
+        """A lease that etcd ends ``ttl`` seconds (at least one) after its last renewal."""
+        return int(self._call("/v3/lease/grant", {"TTL": max(1, round(ttl))})["ID"])
+
+    def renew_lease(self, lease: int) -> bool:
+        """Renew ``lease``; False if it already ended."""
+        reply = self._call("/v3/lease/keepalive", {"ID": str(lease)})
+        return int(reply.get("result", {}).get("TTL", 0)) > 0
+
+    def revoke_lease(self, lease: int) -> None:
+        """End ``lease`` now; the keys attached to it go with it."""
+        try:
+            self._call("/v3/lease/revoke", {"ID": str(lease)})
+        except dist.DistStoreError:  # already ended
+            pass
+
+    def create_leased(self, key: str, value: str | bytes, lease: int) -> int | None:
+        """Create ``key``, attached to ``lease``, unless it exists: the revision that created it, else None."""
+        k = _b64(self._key(key))
+        reply = self._call("/v3/kv/txn", {
+            "compare": [{"key": k, "target": "CREATE", "result": "EQUAL", "create_revision": "0"}],
+            "success": [{"request_put": {"key": k, "value": _b64(_bytes(value)), "lease": str(lease)}}]})
+        return int(reply["header"]["revision"]) if reply.get("succeeded") else None

@@ -26,6 +26,10 @@ class EventLog:
 
     def emit(self, event: str, **fields: Any) -> dict[str, Any]:
         record = {"time": time.time(), "event": event, "source": self.source, **fields}
+        self._write(record)
+        return record
+
+    def _write(self, record: dict[str, Any]) -> None:
         if self.path:
             line = (json.dumps(record, default=str) + "\n").encode()
             with self._lock:
@@ -34,7 +38,26 @@ class EventLog:
                     os.write(fd, line)
                 finally:
                     os.close(fd)
+
+
+class HeldEvents(EventLog):
+    """Events held back until ``release``. The coordinator logs what it decided about a batch of reports
+    once the batch is saved: a batch that a successor handles again (its predecessor died before saving
+    it) is then logged once."""
+
+    def __init__(self, log: EventLog) -> None:
+        super().__init__(log.path, log.source)
+        self._held: list[dict[str, Any]] = []
+
+    def emit(self, event: str, **fields: Any) -> dict[str, Any]:
+        record = {"time": time.time(), "event": event, "source": self.source, **fields}
+        self._held.append(record)
         return record
+
+    def release(self) -> None:
+        for record in self._held:
+            self._write(record)
+        self._held.clear()
 
 
 def read_events(run_dir: str | os.PathLike) -> list[dict[str, Any]]:

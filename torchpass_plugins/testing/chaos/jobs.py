@@ -133,6 +133,17 @@ class Job:
                 live.add(int(stat.parent.name))
         return sorted(live)
 
+    def kill_node(self, node: int) -> None:
+        """A whole node dies: SIGKILL its agent and every worker it started, at once, so no agent reports
+        those workers' exits."""
+        workers = [e["pid"] for e in self.events("worker_started") if e["source"] == f"agent{node}"]
+        os.killpg(self.agents[node].pid, signal.SIGKILL)
+        for pid in workers:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
     def kill(self) -> None:
         """SIGKILL everything the job started, agents first."""
         for agent in self.agents:
