@@ -4,6 +4,7 @@ runs on it through a kill."""
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from datetime import timedelta
@@ -15,7 +16,7 @@ import torch.multiprocessing as mp
 from conftest import STEPS, assert_bit_exact
 from jobs import start
 
-from torchpass_plugins.control.etcd_store import EtcdStore
+from torchpass_plugins.control.etcd_store import PASSWORD_VARIABLE, EtcdStore, address, open_address
 from torchpass_plugins.testing.etcd_cluster import EtcdCluster
 
 pytestmark = pytest.mark.timeout(120)
@@ -114,3 +115,33 @@ def test_a_job_on_etcd_replaces_a_killed_rank_bit_exact_shrugs_off_a_lost_member
     assert started["endpoint"] == f"etcd://{','.join(etcd.endpoints)}/job-a"
     assert len(job.events("failure_detected")) == 1 and job.events("job_restart") == []
     assert job.events("hang_detected") == [] and job.events("worker_evicted") == []
+
+
+def test_tls_and_an_etcd_user_are_passed_through_and_refusals_are_clear(tmp_path, monkeypatch):
+    """Members that serve https only, to clients with a certificate of their CA; then members with auth
+    enabled: the job's store connects with the files and user given (the password from the environment);
+    without them it fails, naming the unreachable members or etcd's refusal."""
+    members = ",".join
+    with EtcdCluster(tmp_path / "certs", tls=True) as etcd:
+        store = open_address(address(members(etcd.endpoints), "job-tls", etcd.credentials), timedelta(seconds=10))
+        store.set("k", b"v")
+        assert store.get("k") == b"v" and store.clone().add("n", 2) == 2
+        with pytest.raises(dist.DistStoreError, match="no member answered"):
+            open_address(address(members(etcd.endpoints), "job-tls"), timedelta(seconds=2))
+    with EtcdCluster(tmp_path / "auth", tls=True, client_certs=False) as etcd:
+        admin = EtcdStore(etcd.endpoints, timeout=timedelta(seconds=10), credentials=etcd.credentials)
+        for path, body in (("/v3/auth/user/add", {"name": "root", "password": "s3cret"}),
+                           ("/v3/auth/user/grant", {"user": "root", "role": "root"}), ("/v3/auth/enable", {})):
+            admin._call(path, body)
+        user = dataclasses.replace(etcd.credentials, cert="", key="", user="root")
+        where = address(members(etcd.endpoints), "job-auth", user)
+        monkeypatch.setenv(PASSWORD_VARIABLE, "s3cret")
+        store = open_address(where, timedelta(seconds=10))
+        store.set("k", b"v")
+        assert store.get("k") == b"v" and store.clone().add("n", 2) == 2
+        with pytest.raises(dist.DistStoreError, match="refused /v3/kv/range"):
+            open_address(address(members(etcd.endpoints), "job-auth", dataclasses.replace(user, user="")),
+                         timedelta(seconds=5))
+        monkeypatch.setenv(PASSWORD_VARIABLE, "wrong")
+        with pytest.raises(dist.DistStoreError, match="refused /v3/auth/authenticate"):
+            open_address(where, timedelta(seconds=5))

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from torchpass_plugins.config import AgentConfig, TorchPassConfig
+from torchpass_plugins.control.etcd_store import PASSWORD_VARIABLE
 from torchpass_plugins.control.launch_config import LaunchConfig
 from torchpass_plugins.core import rng
 from torchpass_plugins.testing.faults import Fault
@@ -100,3 +101,28 @@ def test_an_etcd_store_needs_member_addresses_and_a_fresh_job_name():
         layout(rdzv_endpoint="127.0.0.1:2379").validate()
     with pytest.raises(ValueError, match="without a scheme"):
         layout(rdzv_endpoint="http://127.0.0.1:2379", rdzv_id="run-7").validate()
+
+
+def test_etcd_credentials_are_checked_before_the_job_and_carried_to_every_process(tmp_path, monkeypatch):
+    def layout(**agent) -> LaunchConfig:
+        agent_config = AgentConfig(rdzv_backend="etcd", rdzv_endpoint="127.0.0.1:2379", rdzv_id="run-7", **agent)
+        return LaunchConfig.derive(["train.py"], TorchPassConfig(spares=0), agent_config, token="t")
+
+    ca, cert, key = (tmp_path / name for name in ("ca.crt", "c.crt", "c.key"))
+    for f in (ca, cert, key):
+        f.write_text("x")
+    monkeypatch.delenv(PASSWORD_VARIABLE, raising=False)
+    with pytest.raises(ValueError, match=r"--etcd-cacert .*no such file"):
+        layout(etcd_cacert=str(tmp_path / "missing.crt")).validate()
+    with pytest.raises(ValueError, match="go together"):
+        layout(etcd_cacert=str(ca), etcd_cert=str(cert)).validate()
+    with pytest.raises(ValueError, match=PASSWORD_VARIABLE):
+        layout(etcd_user="trainer").validate()
+    with pytest.raises(ValueError, match="apply to --rdzv-backend etcd only"):
+        dataclasses.replace(layout(etcd_user="trainer"), rdzv_backend="c10d").validate()
+    monkeypatch.setenv(PASSWORD_VARIABLE, "pw")
+    config = layout(etcd_cacert=str(ca), etcd_cert=str(cert), etcd_key=str(key), etcd_user="trainer")
+    config.validate()
+    assert "pw" not in config.store_address  # the password stays in the environment
+    assert config.store_address.startswith("etcd://127.0.0.1:2379/run-7?cacert=")
+    assert "user=trainer" in config.store_address

@@ -182,6 +182,13 @@ class AgentConfig:
                                 choices=("c10d", "etcd"))
     rdzv_id: str = setting("", "with --rdzv-backend etcd: the job's name in the cluster, its keys' prefix; a "
                                "name no earlier run used (a resubmitted job too)", "--rdzv-id")
+    etcd_cacert: str = setting("", "with --rdzv-backend etcd: the CA certificate file that signed the members' "
+                                   "certificates (the members are then reached over https)", "--etcd-cacert")
+    etcd_cert: str = setting("", "with --rdzv-backend etcd: this node's client certificate file, for members that "
+                                 "ask for one (with --etcd-key)", "--etcd-cert")
+    etcd_key: str = setting("", "with --rdzv-backend etcd: the client certificate's private key file", "--etcd-key")
+    etcd_user: str = setting("", "with --rdzv-backend etcd: the etcd user (auth enabled); its password is read from "
+                                 "TORCHPASS_ETCD_PASSWORD", "--etcd-user")
     rdzv_timeout_s: float = setting(300.0, "seconds an agent tries to reach node 0's store", "--rdzv-timeout")
     heartbeat_interval_s: float = setting(0.5, "seconds between a worker's heartbeats and its agent's checks",
                                           "--heartbeat-interval")

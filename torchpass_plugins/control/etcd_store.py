@@ -18,26 +18,53 @@ from __future__ import annotations
 import base64
 import http.client
 import json
+import os
+import ssl
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 import uuid
+from dataclasses import asdict, dataclass
 from datetime import timedelta
 
 import torch.distributed as dist
 
 _POLL_S = (0.005, 0.1)  # a wait polls from the first interval, doubling up to the second
+_AUTHENTICATE = "/v3/auth/authenticate"
 _RETRY_S = 0.2  # between rounds over every endpoint while none answers
 _REQUEST_S = 5.0  # one HTTP request; a member without quorum answers an error after etcd's own timeout
-_DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # never through an http_proxy
+PASSWORD_VARIABLE = "TORCHPASS_ETCD_PASSWORD"  # the etcd user's password: in the environment, never on a command line
 
 
 SCHEME = "etcd://"  # a store address that names an etcd cluster: etcd://HOST:PORT,HOST:PORT,.../NAME
 
 
-def address(members: str, name: str) -> str:
-    """The store address of job ``name`` in the cluster whose client addresses are ``members`` (comma-separated)."""
-    return f"{SCHEME}{members}/{name}"
+@dataclass(frozen=True)
+class Credentials:
+    """How to talk to the members, as etcd's own clients take it: TLS (the CA file that signed the members'
+    certificates; a client certificate and key where they ask for one) and an etcd user (the password is
+    read from ``TORCHPASS_ETCD_PASSWORD``). Files are named by path: every process of the job reads them."""
+
+    cacert: str = ""
+    cert: str = ""
+    key: str = ""
+    user: str = ""
+
+    def tls(self) -> ssl.SSLContext | None:
+        if not (self.cacert or self.cert):
+            return None
+        context = ssl.create_default_context(cafile=self.cacert or None)
+        if self.cert:
+            context.load_cert_chain(self.cert, self.key or None)
+        return context
+
+
+def address(members: str, name: str, credentials: Credentials = Credentials()) -> str:
+    """The store address of job ``name`` in the cluster whose client addresses are ``members`` (comma-separated),
+    with the credentials' files and user (not the password) as its query."""
+    query = urllib.parse.urlencode({k: v for k, v in asdict(credentials).items() if v})
+    return f"{SCHEME}{members}/{name}" + (f"?{query}" if query else "")
 
 
 def members_of(store_address: str) -> list[str]:
@@ -47,8 +74,9 @@ def members_of(store_address: str) -> list[str]:
 
 def open_address(store_address: str, timeout: timedelta) -> EtcdStore:
     """A client of the job's keys at ``store_address``, once some member answers (else ``DistStoreError``)."""
-    store = EtcdStore(members_of(store_address), prefix=f"torchpass/{store_address.rsplit('/', 1)[1]}",
-                      timeout=timeout)
+    location, _, query = store_address.partition("?")
+    store = EtcdStore(members_of(location), prefix=f"torchpass/{location.rsplit('/', 1)[1]}", timeout=timeout,
+                      credentials=Credentials(**dict(urllib.parse.parse_qsl(query))))
     store.check(["reachable"])
     return store
 
@@ -69,11 +97,16 @@ class EtcdStore(dist.Store):
     """Keys under ``prefix`` in the etcd cluster at ``endpoints`` (``host:port`` of its client URLs)."""
 
     def __init__(self, endpoints: list[str], prefix: str = "torchpass", timeout: timedelta = timedelta(seconds=300),
-                 scheme: str = "http") -> None:
+                 credentials: Credentials = Credentials()) -> None:
         super().__init__()
         if not endpoints:
             raise ValueError("EtcdStore needs at least one endpoint (host:port)")
-        self._urls = [f"{scheme}://{e}" for e in endpoints]
+        self._endpoints, self._credentials = list(endpoints), credentials
+        context = credentials.tls()
+        self._urls = [f"{'https' if context else 'http'}://{e}" for e in endpoints]
+        self._opener = urllib.request.build_opener(urllib.request.ProxyHandler({}),  # never through an http_proxy
+                                                   urllib.request.HTTPSHandler(context=context))
+        self._auth_token: str | None = None
         self._first = 0  # the endpoint that answered last
         self._prefix = prefix.encode().rstrip(b"/") + b"/"
         self._fence: list[dict] = []  # compared by every write (see ``fenced``)
@@ -85,9 +118,8 @@ class EtcdStore(dist.Store):
 
     def under(self, prefix: str) -> EtcdStore:
         """A client of the keys under ``prefix`` (torch's ``PrefixStore`` would hide the queue methods)."""
-        scheme, _ = self._urls[0].split("://", 1)
         path = self._prefix.decode() + prefix if prefix else self._prefix[:-1].decode()
-        store = EtcdStore([u.split("://", 1)[1] for u in self._urls], path, self.timeout, scheme)
+        store = EtcdStore(self._endpoints, path, self.timeout, self._credentials)
         store._fence = self._fence
         return store
 
@@ -101,23 +133,32 @@ class EtcdStore(dist.Store):
         return store
 
     # -- the gateway --------------------------------------------------------------------------------------
-    def _call(self, path: str, body: dict) -> dict:
+    def _call(self, path: str, body: dict, fresh_token: bool = False) -> dict:
+        if self._credentials.user and self._auth_token is None and path != _AUTHENTICATE:
+            login = {"name": self._credentials.user, "password": os.environ.get(PASSWORD_VARIABLE, "")}
+            self._auth_token, fresh_token = self._call(_AUTHENTICATE, login)["token"], True
         deadline = time.monotonic() + self.timeout.total_seconds()
         data = json.dumps(body).encode()
         while True:
             errors = []
             for i in range(len(self._urls)):
                 index = (self._first + i) % len(self._urls)
-                request = urllib.request.Request(self._urls[index] + path, data=data,
-                                                 headers={"Content-Type": "application/json"})
+                headers = {"Content-Type": "application/json"}
+                if self._auth_token and path != _AUTHENTICATE:
+                    headers["Authorization"] = self._auth_token
+                request = urllib.request.Request(self._urls[index] + path, data=data, headers=headers)
                 try:
-                    with _DIRECT.open(request, timeout=_REQUEST_S) as reply:
+                    with self._opener.open(request, timeout=_REQUEST_S) as reply:
                         answer = json.loads(reply.read())
                     self._first = index
                     return answer
                 except urllib.error.HTTPError as exc:
+                    if exc.code == 401 and self._auth_token is not None and not fresh_token:  # expired: log in
+                        self._auth_token = None
+                        return self._call(path, body)
                     if exc.code < 500:  # refused as asked: asking again will not help
-                        raise dist.DistStoreError(f"etcd at {self._urls[index]} refused {path}: {exc}") from exc
+                        why = exc.read().decode(errors="replace")[:300]
+                        raise dist.DistStoreError(f"etcd at {self._urls[index]} refused {path}: {exc} {why}") from exc
                     errors.append(f"{self._urls[index]}: {exc}")  # up, without a quorum or a leader
                 except (OSError, http.client.HTTPException, ValueError) as exc:  # down, or lost mid-reply
                     errors.append(f"{self._urls[index]}: {exc}")

