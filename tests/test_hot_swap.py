@@ -139,12 +139,16 @@ def test_a_rank_that_stalls_the_collectives_is_found_and_replaced(tmp_path, refe
     assert [e["rank"] for e in job.events("failure_detected")] == [1]
 
 
+def _three_nodes(tmp_path, sleep_per_step: float):
+    """3 agents x 1 slot: rank 0 on node 0 (which hosts the store and the coordinator), rank 1 on node 1, the
+    spare on node 2."""
+    train = ("--devices", "1", "--num-nodes", "2", "--max-steps", str(STEPS), "--sleep-per-step", str(sleep_per_step))
+    return start(tmp_path, nproc=1, spares=1, nnodes=3, train_args=train, launch_args=("--heartbeat-timeout", "3"))
+
+
 def test_a_lost_node_with_its_agent_is_replaced_by_a_spare_on_another_node(tmp_path, reference):
-    # 3 agents x 1 slot: rank 0 on node 0 (which hosts the coordinator), rank 1 on node 1, the spare on
-    # node 2. Node 1 dies whole: its agent and its worker at once, so no agent reports the exit.
-    train = ("--devices", "1", "--num-nodes", "2", "--max-steps", str(STEPS))
-    job = start(tmp_path, nproc=1, spares=1, nnodes=3, train_args=(*train, "--sleep-per-step", "0.2"),
-                launch_args=("--heartbeat-timeout", "3"))
+    # Node 1 dies whole: its agent and its worker at once, so no agent reports the exit.
+    job = _three_nodes(tmp_path, sleep_per_step=0.2)
     try:
         job.wait_until(lambda: len(job.applied(1)) >= 5, "rank 1 to train")
         job.kill_node(1)
@@ -155,6 +159,28 @@ def test_a_lost_node_with_its_agent_is_replaced_by_a_spare_on_another_node(tmp_p
     assert_bit_exact(job, [codes[0], codes[2]], reference(2, ("--devices", "1", "--num-nodes", "2")), world=2)
     assert [e["node"] for e in job.events("node_lost")] == [1]
     assert [e["worker"] for e in job.events("failure_detected")] == ["n1-s0-i0"]
+
+
+def test_a_lost_node_started_again_refills_the_spare_pool_and_a_later_failure_uses_it(tmp_path, reference):
+    # As above; then node 1's agent starts again (a replacement machine): its worker joins the empty spare
+    # pool, and when rank 0 is killed later, that worker takes the rank.
+    job = _three_nodes(tmp_path, sleep_per_step=1.0)
+    try:
+        job.wait_until(lambda: len(job.applied(1)) >= 2, "rank 1 to train")
+        job.kill_node(1)
+        job.wait_until(lambda: job.events("node_lost"), "node 1 to be written off")
+        job.start_node(1)
+        job.wait_until(lambda: job.events("spare_joined"), "node 1's new worker to join the spare pool")
+        assert len(job.applied(0)) < STEPS - 2, "too late in training for a second failure"
+        os.kill(job.pid_of_rank(0), signal.SIGKILL)
+        codes = job.wait()
+    finally:
+        job.kill()
+    assert_bit_exact(job, codes, reference(2, ("--devices", "1", "--num-nodes", "2")), world=2)
+    assert [e["node"] for e in job.events("node_rejoined")] == [1]
+    assert job.events("spare_joined")[0]["worker"] == "n1-s0-i1"  # named anew: never reused
+    assert [e["rank"] for e in job.events("failure_detected")] == [1, 0]
+    assert job.events("roster_published")[-1]["ranks"] == ["n1-s0-i1", "n2-s0-i0"]
 
 
 def test_more_failures_than_spares_stop_the_job_clearly(tmp_path):

@@ -23,18 +23,21 @@ import torch.distributed as dist
 from torchpass_plugins.control.coordinator import Coordinator
 from torchpass_plugins.control.launch_config import LaunchConfig
 from torchpass_plugins.control.leadership import Election, JournaledInbox, QueueInbox, Sole
-from torchpass_plugins.control.membership import StoreUnusable, open_job_store, prefixed
+from torchpass_plugins.control.membership import StoreUnusable, current_attempt, open_job_store, prefixed, under
 from torchpass_plugins.control.policy import Action, Policy
 from torchpass_plugins.control.protocol import (
     ABORT_KEY,
     DONE_KEY,
     LEAVING,
+    PREFIX,
     RESTART_KEY,
     Exit,
     Migrate,
     agent_beat_key,
     evict_key,
     heartbeat_key,
+    incarnations_key,
+    node_agent_key,
     node_lost_key,
     send,
 )
@@ -72,6 +75,7 @@ class Agent:
         self.slots = [_Slot(config.first_slot + i) for i in range(config.nproc_per_node)]
         self._signal: int | None = None
         self.attempt = 0  # restarts of the whole job so far
+        self.identity = secrets.token_hex(8)  # this agent among any that serve the node over the job
         self._coordinator_thread: threading.Thread | None = None
         self.unhealthy: set[int] = set()  # slots whose device the health watch moved work off: never refilled
         self._done = threading.Event()
@@ -84,6 +88,8 @@ class Agent:
         except StoreUnusable as exc:
             print(f"torchpass: {exc}", file=sys.stderr)
             return 1
+        self._root = under(self._client, PREFIX)  # keys of the whole job, across attempts
+        self.attempt = current_attempt(self._client)  # a node rejoining a restarted job is not at attempt 0
         self._begin_attempt()
         self._install_signals()
         if "OMP_NUM_THREADS" not in os.environ and cfg.nproc_per_node > 1:
@@ -115,9 +121,17 @@ class Agent:
 
     # -- attempts -------------------------------------------------------------------------------------
     def _begin_attempt(self) -> None:
-        """Use the keys of attempt ``self.attempt``, and stand for coordinating it (``leadership``)."""
+        """Use the keys of attempt ``self.attempt``, serve this node in it, and stand for coordinating it
+        (``leadership``). An agent started again for a node the job wrote off (a replacement machine, a
+        recreated pod) brings the node back, its workers joining the spare pool; a previous agent of the
+        node still alive finds itself replaced and stops."""
         cfg = self.config
         self.store = prefixed(self._client, self.attempt)
+        if self.store.check([node_lost_key(cfg.node_rank)]):
+            self.store.delete_key(agent_beat_key(cfg.node_rank))  # unwatched until it beats, as at the start
+            self.store.delete_key(node_lost_key(cfg.node_rank))
+            self.events.emit("node_rejoined", node=cfg.node_rank)
+        self.store.set(node_agent_key(cfg.node_rank), self.identity)
         self.policy = Policy(restarts_left=cfg.max_restarts - self.attempt, spare_wait_s=cfg.spare_wait,
                              refill=cfg.refill, straggler_migrate=cfg.straggler_migrate,
                              heartbeat_timeout=cfg.heartbeat_timeout)
@@ -176,7 +190,7 @@ class Agent:
     # -- workers --------------------------------------------------------------------------------------
     def _spawn(self, slot: _Slot) -> None:
         cfg = self.config
-        slot.incarnation += bool(slot.worker_id)  # a slot that ran a worker starts its next incarnation
+        slot.incarnation = int(self._root.add(incarnations_key(cfg.node_rank, slot.index), 1)) - 1
         slot.worker_id = f"n{cfg.node_rank}-s{slot.index}-i{slot.incarnation}"
         env = WorkerEnv(
             store=self.endpoint, token=self.token, worker_id=slot.worker_id, world_size=cfg.world_size,
@@ -206,7 +220,8 @@ class Agent:
                 next_check = time.monotonic() + cfg.heartbeat_interval
                 with self.clocks.store_call():
                     restart, aborted = self.store.check([RESTART_KEY]), self.store.check([ABORT_KEY])
-                    written_off = self.store.check([node_lost_key(cfg.node_rank)])
+                    written_off = self.store.check([node_lost_key(cfg.node_rank)]) or self.store.get(
+                        node_agent_key(cfg.node_rank)).decode() != self.identity
                     self.store.add(agent_beat_key(cfg.node_rank), 1)
                     done = self.store.check([DONE_KEY])
                 if restart:
@@ -217,8 +232,8 @@ class Agent:
                     print(f"torchpass: job aborted: {self.store.get(ABORT_KEY).decode()}", file=sys.stderr, flush=True)
                     return 1
                 if written_off:
-                    print("torchpass: the job wrote this node off (its agent was silent too long); stopping its "
-                          "workers", file=sys.stderr, flush=True)
+                    print("torchpass: the job wrote this node off (its agent was silent too long) or another agent "
+                          "serves it now; stopping its workers", file=sys.stderr, flush=True)
                     return 1
             alive = 0
             for slot in self.slots:

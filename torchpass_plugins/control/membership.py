@@ -101,6 +101,14 @@ def prefixed(store: dist.Store, attempt: int = 0) -> dist.Store:
     return under(store, f"{PREFIX}/a{attempt}")
 
 
+def current_attempt(store: dist.Store) -> int:
+    """The attempt the job is at: the first whose keys hold no restart."""
+    attempt = 0
+    while prefixed(store, attempt).check([RESTART_KEY]):
+        attempt += 1
+    return attempt
+
+
 def under(store: dist.Store, prefix: str) -> dist.Store:
     """``store``'s keys under ``prefix``. An etcd store makes a store of its own: torch's ``PrefixStore``
     would hide its queue, which torch does not forward to a store written in Python."""

@@ -86,8 +86,20 @@ def agent_beat_key(node: int) -> str:
 
 
 def node_lost_key(node: int) -> str:
-    """Set when the coordinator has written ``node`` off: its agent, if it is still alive, stops its workers."""
+    """Set when the coordinator has written ``node`` off: its agent, if it is still alive, stops its workers.
+    An agent started again for that node (a replacement) deletes it, and the node is watched again."""
     return f"node_lost/{node}"
+
+
+def node_agent_key(node: int) -> str:
+    """The identity of the agent now serving ``node``: one that finds another's here was replaced, and stops."""
+    return f"node_agent/{node}"
+
+
+def incarnations_key(node: int, slot: int) -> str:
+    """Counts the workers started in a slot over the whole job (every attempt, every agent of the node), so
+    that a worker's name is never used twice."""
+    return f"incarnations/n{node}-s{slot}"
 
 
 def reached_key(rank: int) -> str:

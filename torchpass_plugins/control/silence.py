@@ -45,6 +45,10 @@ class BeatClocks:
             return 0.0
         return now - max(last[1], self._back)
 
+    def forget(self, name: str) -> None:
+        """Counter ``name`` starts over (a node written off: if it comes back, its silence counts from then)."""
+        self._seen.pop(name, None)
+
 
 def watch_nodes(store: dist.Store, nodes: list[int], policy: Policy, events: EventLog, interval: float,
                 until) -> None:
@@ -56,8 +60,10 @@ def watch_nodes(store: dist.Store, nodes: list[int], policy: Policy, events: Eve
         with clocks.store_call():
             if store.check([DONE_KEY]):
                 continue
-            watched = [n for n in nodes if not store.check([node_lost_key(n)])]
-            beats = {n: int(store.add(agent_beat_key(n), 0)) for n in watched}
+            lost = {n for n in nodes if store.check([node_lost_key(n)])}
+            beats = {n: int(store.add(agent_beat_key(n), 0)) for n in nodes if n not in lost}
+        for node in lost:
+            clocks.forget(f"node{node}")
         for node, count in beats.items():
             decision = policy.silence(clocks.silent_for(f"node{node}", count))
             if count > 0 and decision.action is Action.EVICT:

@@ -48,6 +48,7 @@ class Job:
     run_dir: Path
     agents: list[subprocess.Popen] = field(default_factory=list)
     logs: list[Path] = field(default_factory=list)
+    commands: list[tuple[list[str], dict]] = field(default_factory=list)  # each node's command line and environment
     started: float = field(default_factory=time.monotonic)
 
     @property
@@ -138,11 +139,20 @@ class Job:
         those workers' exits."""
         workers = [e["pid"] for e in self.events("worker_started") if e["source"] == f"agent{node}"]
         os.killpg(self.agents[node].pid, signal.SIGKILL)
+        self.agents[node].wait()
         for pid in workers:
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+    def start_node(self, node: int) -> None:
+        """Start ``node``'s agent again with its command line, as a replacement machine would (its log goes
+        on in the same file)."""
+        cmd, env = self.commands[node]
+        with open(self.logs[node], "ab") as f:
+            self.agents[node] = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env,
+                                                 start_new_session=True)
 
     def kill(self) -> None:
         """SIGKILL everything the job started, agents first."""
@@ -186,6 +196,7 @@ def start(
         with open(log, "wb") as f:
             job.agents.append(subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env,
                                                start_new_session=True))
+        job.commands.append((cmd, env))
         job.logs.append(log)
         if node == 0 and nnodes > 1:
             time.sleep(0.5)  # node 0 hosts the store
