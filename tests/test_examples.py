@@ -21,6 +21,7 @@ REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "examples" / "lightning" / "train.py"
 SBATCH = REPO / "examples" / "slurm" / "train.sbatch"
 MANIFESTS = REPO / "examples" / "kubernetes" / "torchpass-job.yaml"
+ETCD_MANIFESTS = REPO / "examples" / "kubernetes" / "etcd.yaml"
 SMOKE = ("trainer.max_steps=12",)
 # Runs the example as ``python train.py ...`` would, then reports which torchpass modules were imported.
 _PROBE = """
@@ -134,8 +135,9 @@ def test_slurm_script_is_valid_bash_and_starts_one_agent_per_node(launch_flags):
     subprocess.run(["bash", "-n", str(SBATCH)], check=True)
     text = SBATCH.read_text()
     assert "#SBATCH --ntasks-per-node=1" in text and "srun --ntasks-per-node=1" in text
-    flags = _flags_of_launch(text.replace("\\\n", " "))
-    assert {"--nnodes", "--node-rank", "--rdzv-endpoint", "--spares"} <= set(flags)
+    store_flags = re.findall(r"(--[a-z][a-z-]*)", " ".join(re.findall(r'STORE_FLAGS="(.*)"', text)))
+    flags = _flags_of_launch(text.replace("\\\n", " ")) + store_flags
+    assert {"--nnodes", "--node-rank", "--rdzv-endpoint", "--rdzv-backend", "--rdzv-id", "--spares"} <= set(flags)
     assert set(flags) <= launch_flags
     assert "export TORCHPASS_JOIN_TOKEN" in text
 
@@ -148,14 +150,23 @@ def test_kubernetes_manifests_parse_and_agree_with_each_other(launch_flags):
     argv = container["command"] + container["args"]
     flags = dict(a.split("=", 1) for a in argv if a.startswith("--"))
     assert set(flags) <= launch_flags and argv[:2] == ["torchpass", "launch"]
-    # One agent per pod, the pods indexed as node ranks, rendezvous at pod 0 through the headless Service.
+    # One agent per pod, the pods indexed as node ranks and named through the headless Service; a failed
+    # pod is created again with its index (and rejoins the same run: the Job's uid names it in etcd).
     assert service["spec"]["clusterIP"] == "None" and pod["subdomain"] == service["metadata"]["name"]
     assert service["spec"]["selector"].items() <= job["spec"]["template"]["metadata"]["labels"].items()
-    assert job["spec"]["completionMode"] == "Indexed"
+    assert job["spec"]["completionMode"] == "Indexed" and job["spec"]["backoffLimitPerIndex"] > 0
     assert job["spec"]["completions"] == job["spec"]["parallelism"] == int(flags["--nnodes"])
-    port = service["spec"]["ports"][0]["port"]
-    assert flags["--rdzv-endpoint"] == f"{job['metadata']['name']}-0.{service['metadata']['name']}:{port}"
     env = {e["name"]: e["valueFrom"] for e in container["env"]}
+    assert flags["--rdzv-backend"] == "etcd" and "$(JOB_UID)" in flags["--rdzv-id"]
+    assert "controller-uid" in env["JOB_UID"]["fieldRef"]["fieldPath"]
+    # The store: every member of etcd.yaml's StatefulSet, by its name through the etcd Service.
+    etcd = {d["kind"]: d for d in yaml.safe_load_all(ETCD_MANIFESTS.read_text())}
+    members, etcd_service = etcd["StatefulSet"], etcd["Service"]
+    client = next(p["port"] for p in etcd_service["spec"]["ports"] if p["name"] == "client")
+    assert members["spec"]["serviceName"] == etcd_service["metadata"]["name"]
+    names = [f"{members['metadata']['name']}-{i}.{etcd_service['metadata']['name']}:{client}"
+             for i in range(members["spec"]["replicas"])]
+    assert flags["--rdzv-endpoint"] == ",".join(names)
     assert flags["--node-rank"] == "$(NODE_RANK)"
     assert "job-completion-index" in env["NODE_RANK"]["fieldRef"]["fieldPath"]
     assert "secretKeyRef" in env["TORCHPASS_JOIN_TOKEN"]
