@@ -31,7 +31,7 @@ from torchpass_plugins.control.protocol import Exit, Join, join_key, roster_key,
 from torchpass_plugins.observe.events import EventLog
 from torchpass_plugins.testing.etcd_cluster import EtcdCluster
 
-FULL = {"tcpstore": (1024, 16384), "etcd": (1024, 4096)}
+FULL = {"tcpstore": (1024, 16384), "etcd": (1024, 4096, 16384)}
 SMOKE = {"tcpstore": (64,), "etcd": (64,)}
 _WRITERS = 8  # threads writing the members' joins, each on a connection of its own
 
