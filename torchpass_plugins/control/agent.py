@@ -22,21 +22,26 @@ import torch.distributed as dist
 
 from torchpass_plugins.control.coordinator import Coordinator
 from torchpass_plugins.control.launch_config import LaunchConfig
-from torchpass_plugins.control.leadership import Election, JournaledInbox, QueueInbox, Sole
-from torchpass_plugins.control.membership import StoreUnusable, current_attempt, open_job_store, prefixed, under
+from torchpass_plugins.control.leadership import JournaledInbox, QueueInbox, candidacy
+from torchpass_plugins.control.membership import (
+    StoreUnusable,
+    current_attempt,
+    next_incarnation,
+    open_job_store,
+    prefixed,
+    serve_node,
+)
 from torchpass_plugins.control.policy import Action, Policy
 from torchpass_plugins.control.protocol import (
     ABORT_KEY,
     DONE_KEY,
     LEAVING,
-    PREFIX,
     RESTART_KEY,
     Exit,
     Migrate,
     agent_beat_key,
     evict_key,
     heartbeat_key,
-    incarnations_key,
     node_agent_key,
     node_lost_key,
     send,
@@ -88,7 +93,6 @@ class Agent:
         except StoreUnusable as exc:
             print(f"torchpass: {exc}", file=sys.stderr)
             return 1
-        self._root = under(self._client, PREFIX)  # keys of the whole job, across attempts
         self.attempt = current_attempt(self._client)  # a node rejoining a restarted job is not at attempt 0
         self._begin_attempt()
         self._install_signals()
@@ -121,25 +125,18 @@ class Agent:
 
     # -- attempts -------------------------------------------------------------------------------------
     def _begin_attempt(self) -> None:
-        """Use the keys of attempt ``self.attempt``, serve this node in it, and stand for coordinating it
-        (``leadership``). An agent started again for a node the job wrote off (a replacement machine, a
-        recreated pod) brings the node back, its workers joining the spare pool; a previous agent of the
-        node still alive finds itself replaced and stops."""
+        """Use the keys of attempt ``self.attempt``, serve this node in it (``serve_node``: a node written off
+        comes back), and stand for coordinating it (``leadership``)."""
         cfg = self.config
         self.store = prefixed(self._client, self.attempt)
-        if self.store.check([node_lost_key(cfg.node_rank)]):
-            self.store.delete_key(agent_beat_key(cfg.node_rank))  # unwatched until it beats, as at the start
-            self.store.delete_key(node_lost_key(cfg.node_rank))
+        if serve_node(self.store, cfg.node_rank, self.identity):
             self.events.emit("node_rejoined", node=cfg.node_rank)
-        self.store.set(node_agent_key(cfg.node_rank), self.identity)
         self.policy = Policy(restarts_left=cfg.max_restarts - self.attempt, spare_wait_s=cfg.spare_wait,
                              refill=cfg.refill, straggler_migrate=cfg.straggler_migrate,
                              heartbeat_timeout=cfg.heartbeat_timeout)
         attempt = self.attempt
-        if cfg.store_address is None:
-            self._candidacy = Sole(lambda: prefixed(self._client.clone(), attempt), leads=cfg.node_rank == 0)
-        else:
-            self._candidacy = Election(prefixed(self._client.clone(), attempt), cfg.node_rank, cfg.heartbeat_timeout)
+        self._candidacy = candidacy(lambda: prefixed(self._client.clone(), attempt), cfg.store_address is not None,
+                                    cfg.node_rank, cfg.heartbeat_timeout)
         self._coordinator_thread = threading.Thread(target=self._candidacy.run, args=(self._lead,), daemon=True,
                                                     name="torchpass-candidacy")
         self._coordinator_thread.start()
@@ -166,7 +163,7 @@ class Agent:
             term_over.set()
 
     def _stop_coordinator(self) -> None:
-        if self._coordinator_thread is not None:
+        if self._coordinator_thread is not None:  # the candidacy ends; a term under way saves its state
             self._candidacy.close()
             self._coordinator_thread.join(timeout=5)
             self._coordinator_thread = None
@@ -190,7 +187,7 @@ class Agent:
     # -- workers --------------------------------------------------------------------------------------
     def _spawn(self, slot: _Slot) -> None:
         cfg = self.config
-        slot.incarnation = int(self._root.add(incarnations_key(cfg.node_rank, slot.index), 1)) - 1
+        slot.incarnation = next_incarnation(self._client, cfg.node_rank, slot.index)
         slot.worker_id = f"n{cfg.node_rank}-s{slot.index}-i{slot.incarnation}"
         env = WorkerEnv(
             store=self.endpoint, token=self.token, worker_id=slot.worker_id, world_size=cfg.world_size,

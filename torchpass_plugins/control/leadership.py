@@ -172,3 +172,8 @@ class Election:
     def close(self) -> None:
         self._closed.set()
         self._over.set()
+
+
+def candidacy(connect: Callable[[], dist.Store], elected: bool, node: int, ttl: float) -> Sole | Election:
+    """This agent's candidacy: an ``Election`` on etcd (``elected``), else ``Sole`` (node 0 coordinates)."""
+    return Election(connect(), node, ttl) if elected else Sole(connect, leads=node == 0)

@@ -30,9 +30,13 @@ from torchpass_plugins.control.protocol import (
     RESTART_KEY,
     Join,
     Roster,
+    agent_beat_key,
     assign_key,
     heartbeat_key,
+    incarnations_key,
     join_key,
+    node_agent_key,
+    node_lost_key,
     reached_key,
     roster_key,
     send,
@@ -107,6 +111,22 @@ def current_attempt(store: dist.Store) -> int:
     while prefixed(store, attempt).check([RESTART_KEY]):
         attempt += 1
     return attempt
+
+
+def serve_node(store: dist.Store, node: int, identity: str) -> bool:
+    """Make agent ``identity`` the one serving ``node``; True if the job had written the node off and this
+    agent brings it back (unwatched until it beats, as at the start)."""
+    rejoined = store.check([node_lost_key(node)])
+    if rejoined:
+        store.delete_key(agent_beat_key(node))
+        store.delete_key(node_lost_key(node))
+    store.set(node_agent_key(node), identity)
+    return rejoined
+
+
+def next_incarnation(store: dist.Store, node: int, slot: int) -> int:
+    """The next worker's incarnation in a slot, counted over the whole job: a name is never used twice."""
+    return int(under(store, PREFIX).add(incarnations_key(node, slot), 1)) - 1
 
 
 def under(store: dist.Store, prefix: str) -> dist.Store:
