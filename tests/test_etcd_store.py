@@ -59,6 +59,32 @@ def test_it_keeps_the_semantics_of_torchs_tcpstore(cluster):
     assert prefixed.get("k") == b"v" and store.get("pg/k") == b"v"
 
 
+def test_a_wait_is_pushed_not_polled_outlives_the_member_it_listens_to_and_wakes_sets_in_batches(cluster, monkeypatch):
+    store = EtcdStore(cluster.endpoints, prefix="job", timeout=timedelta(seconds=60))
+    requests = []
+
+    def counted(name):
+        method = getattr(EtcdStore, name)
+        return lambda self, *args, **kwargs: (requests.append(name), method(self, *args, **kwargs))[1]
+
+    for name in ("_call", "_watch_for_put"):  # every request the store makes goes through one of these
+        monkeypatch.setattr(EtcdStore, name, counted(name))
+    with pytest.raises(dist.DistStoreError, match="wait timeout"):
+        store.wait(["missing"], timedelta(seconds=2))
+    assert len(requests) <= 3, requests  # a look, a watch and a last look: no polling
+    writer = EtcdStore(cluster.endpoints[1:], prefix="job", timeout=timedelta(seconds=60))
+    woke = threading.Event()
+    waiter = threading.Thread(target=lambda: (store.wait(["roster"], timedelta(seconds=50)), woke.set()), daemon=True)
+    waiter.start()
+    time.sleep(1.0)
+    cluster.stop_member(0)  # the member the wait listens to goes away; the put is made through another one
+    writer.set("roster", b"1")
+    assert woke.wait(30.0)
+    keys = [f"watch/w{i}/1" for i in range(300)]  # more than one transaction's worth
+    writer.multi_set(keys, [b"1"] * len(keys))
+    assert writer.check(keys)
+
+
 def _all_reduce(rank: int, endpoints: list[str], out) -> None:
     etcd = EtcdStore(endpoints, prefix="job", timeout=timedelta(seconds=30))  # referenced: see EtcdStore
     group = dist.ProcessGroupGloo(dist.PrefixStore("gen0", etcd), rank, 2, timedelta(seconds=30))

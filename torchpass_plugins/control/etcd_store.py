@@ -30,7 +30,9 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-_POLL_S = (0.005, 0.1)  # a wait polls from the first interval, doubling up to the second
+_POLL_S = (0.005, 0.1)  # a blocking queue pop polls from the first interval, doubling up to the second
+_WATCH_ROUND_S = 10.0  # the longest a wait listens to one member before it looks again (see ``wait``)
+_TXN_OPS = 128  # etcd's default --max-txn-ops
 _AUTHENTICATE = "/v3/auth/authenticate"
 _RETRY_S = 0.2  # between rounds over every endpoint while none answers
 _REQUEST_S = 5.0  # one HTTP request; a member without quorum answers an error after etcd's own timeout
@@ -102,7 +104,7 @@ class EtcdStore(dist.Store):
         if not endpoints:
             raise ValueError("EtcdStore needs at least one endpoint (host:port)")
         self._endpoints, self._credentials = list(endpoints), credentials
-        context = credentials.tls()
+        context = self._tls = credentials.tls()
         self._urls = [f"{'https' if context else 'http'}://{e}" for e in endpoints]
         self._opener = urllib.request.build_opener(urllib.request.ProxyHandler({}),  # never through an http_proxy
                                                    urllib.request.HTTPSHandler(context=context))
@@ -231,21 +233,61 @@ class EtcdStore(dist.Store):
         return all(self._range(key) is not None for key in keys)
 
     def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
-        """Until every key exists; a ``timeout`` of zero waits without limit, as c10d's stores do."""
+        """Until every key exists; a ``timeout`` of zero waits without limit, as c10d's stores do. A missing key
+        is watched (etcd pushes its creation), not polled: a waiting member costs the cluster one request per
+        ``_WATCH_ROUND_S``."""
         timeout = self.timeout if timeout is None else timeout
         deadline = time.monotonic() + (timeout.total_seconds() or float("inf"))
-        pause = _POLL_S[0]
-        while not self.check(keys):
-            if time.monotonic() > deadline:
-                raise dist.DistStoreError(f"etcd: wait timeout for {keys} after {timeout}")
-            time.sleep(pause)
-            pause = min(pause * 2, _POLL_S[1])
+        for key in keys:
+            while True:
+                reply = self._call("/v3/kv/range", {"key": _b64(self._key(key)), "keys_only": True})
+                if reply.get("kvs"):
+                    break
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise dist.DistStoreError(f"etcd: wait timeout for {keys} after {timeout}")
+                began, seconds = time.monotonic(), min(left, _WATCH_ROUND_S)
+                if not self._watch_for_put(key, int(reply["header"]["revision"]) + 1, seconds):
+                    time.sleep(max(0.0, min(_RETRY_S, began + seconds - time.monotonic())))  # no hot loop
+
+    def _watch_for_put(self, key: str, revision: int, seconds: float) -> bool:
+        """Whether ``key`` was put at ``revision`` or later within ``seconds``; False also when the member goes
+        away or refuses. The caller looks again either way, so a member that is down, paused or cut off from
+        the others delays a wake-up by one round at most, and no put is missed (etcd replays the history from
+        ``revision``)."""
+        url = urllib.parse.urlsplit(self._urls[self._first])
+        connection = (http.client.HTTPSConnection(url.hostname, url.port, timeout=seconds, context=self._tls)
+                      if self._tls else http.client.HTTPConnection(url.hostname, url.port, timeout=seconds))
+        headers = {"Authorization": self._auth_token} if self._auth_token else {}
+        body = {"create_request": {"key": _b64(self._key(key)), "start_revision": str(revision)}}
+        ends = time.monotonic() + seconds
+        try:
+            connection.request("POST", "/v3/watch", json.dumps(body), headers)
+            reply = connection.getresponse()
+            while reply.status == 200 and time.monotonic() < ends:
+                result = json.loads(reply.readline() or b"{}").get("result")
+                if result is None or result.get("canceled"):
+                    return False
+                if any(event.get("type", "PUT") == "PUT" for event in result.get("events", ())):
+                    return True
+        except (OSError, http.client.HTTPException, ValueError):  # gone, silent for the round, or cut short
+            pass
+        finally:
+            connection.close()
+        return False
 
     def delete_key(self, key: str) -> bool:
         if self._fence:
             existed = self.check([key])
             return self._txn([], [self._delete(key)]) and existed
         return int(self._call("/v3/kv/deleterange", {"key": _b64(self._key(key))}).get("deleted", 0)) > 0
+
+    def multi_set(self, keys: list[str], values: list[str | bytes]) -> None:
+        """Set many keys in a few transactions (``_TXN_OPS`` puts each, etcd's default limit): a roster's
+        wake-ups cost a request per ``_TXN_OPS`` members rather than one each. Not atomic as a whole."""
+        puts = [self._put(k, _bytes(v)) for k, v in zip(keys, values, strict=True)]
+        for first in range(0, len(puts), _TXN_OPS):
+            self._txn([], puts[first:first + _TXN_OPS])
 
     def write(self, puts: dict[str, bytes], deletes: list[str]) -> None:
         """Put and delete keys in one transaction: all of them or none."""

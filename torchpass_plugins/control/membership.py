@@ -159,18 +159,6 @@ def open_job_store(cfg: LaunchConfig) -> tuple[dist.Store, str]:
     return store, cfg.store_address
 
 
-def wait_key(store: dist.Store, key: str, stop: threading.Event | None = None, poll: float = _POLL_S) -> bytes:
-    """Block until ``key`` exists (or ``stop`` is set: then raise ``InterruptedError``) and return it.
-
-    Polls with ``check`` rather than ``Store.wait``: a timed-out wait logs a warning each time.
-    """
-    stop = stop or threading.Event()
-    while not store.check([key]):
-        if stop.wait(poll):
-            raise InterruptedError(key)
-    return store.get(key)
-
-
 def _die_with_agent(agent: int) -> None:
     """Ask Linux for SIGKILL when the agent (pid ``agent``) dies, so no worker outlives its supervisor."""
     if agent and sys.platform.startswith("linux"):
