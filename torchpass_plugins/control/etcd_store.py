@@ -104,7 +104,7 @@ class EtcdStore(dist.Store):
         if not endpoints:
             raise ValueError("EtcdStore needs at least one endpoint (host:port)")
         self._endpoints, self._credentials = list(endpoints), credentials
-        context = self._tls = credentials.tls()
+        context = credentials.tls()
         self._urls = [f"{'https' if context else 'http'}://{e}" for e in endpoints]
         self._opener = urllib.request.build_opener(urllib.request.ProxyHandler({}),  # never through an http_proxy
                                                    urllib.request.HTTPSHandler(context=context))
@@ -145,12 +145,8 @@ class EtcdStore(dist.Store):
             errors = []
             for i in range(len(self._urls)):
                 index = (self._first + i) % len(self._urls)
-                headers = {"Content-Type": "application/json"}
-                if self._auth_token and path != _AUTHENTICATE:
-                    headers["Authorization"] = self._auth_token
-                request = urllib.request.Request(self._urls[index] + path, data=data, headers=headers)
                 try:
-                    with self._opener.open(request, timeout=_REQUEST_S) as reply:
+                    with self._open(index, path, data, _REQUEST_S) as reply:
                         answer = json.loads(reply.read())
                     self._first = index
                     return answer
@@ -167,6 +163,14 @@ class EtcdStore(dist.Store):
             if time.monotonic() > deadline:
                 raise dist.DistStoreError(f"etcd: no member answered within {self.timeout}: {'; '.join(errors)}")
             time.sleep(_RETRY_S)
+
+    def _open(self, index: int, path: str, data: bytes, seconds: float):
+        """A request to member ``index`` (its reply, to be read and closed), logged in where a user is set."""
+        headers = {"Content-Type": "application/json"}
+        if self._auth_token and path != _AUTHENTICATE:
+            headers["Authorization"] = self._auth_token
+        request = urllib.request.Request(self._urls[index] + path, data=data, headers=headers)
+        return self._opener.open(request, timeout=seconds)
 
     def _key(self, key: str) -> bytes:
         return self._prefix + key.encode()
@@ -255,25 +259,18 @@ class EtcdStore(dist.Store):
         away or refuses. The caller looks again either way, so a member that is down, paused or cut off from
         the others delays a wake-up by one round at most, and no put is missed (etcd replays the history from
         ``revision``)."""
-        url = urllib.parse.urlsplit(self._urls[self._first])
-        connection = (http.client.HTTPSConnection(url.hostname, url.port, timeout=seconds, context=self._tls)
-                      if self._tls else http.client.HTTPConnection(url.hostname, url.port, timeout=seconds))
-        headers = {"Authorization": self._auth_token} if self._auth_token else {}
         body = {"create_request": {"key": _b64(self._key(key)), "start_revision": str(revision)}}
         ends = time.monotonic() + seconds
         try:
-            connection.request("POST", "/v3/watch", json.dumps(body), headers)
-            reply = connection.getresponse()
-            while reply.status == 200 and time.monotonic() < ends:
-                result = json.loads(reply.readline() or b"{}").get("result")
-                if result is None or result.get("canceled"):
-                    return False
-                if any(event.get("type", "PUT") == "PUT" for event in result.get("events", ())):
-                    return True
-        except (OSError, http.client.HTTPException, ValueError):  # gone, silent for the round, or cut short
+            with self._open(self._first, "/v3/watch", json.dumps(body).encode(), seconds) as reply:
+                while time.monotonic() < ends:
+                    result = json.loads(reply.readline() or b"{}").get("result")
+                    if result is None or result.get("canceled"):
+                        return False
+                    if any(event.get("type", "PUT") == "PUT" for event in result.get("events", ())):
+                        return True
+        except (OSError, http.client.HTTPException, ValueError):  # gone, refused, silent for the round, cut short
             pass
-        finally:
-            connection.close()
         return False
 
     def delete_key(self, key: str) -> bool:
