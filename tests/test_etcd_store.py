@@ -16,7 +16,8 @@ import torch.multiprocessing as mp
 from conftest import STEPS, assert_bit_exact
 from jobs import start
 
-from torchpass_plugins.control.etcd_store import PASSWORD_VARIABLE, EtcdStore, address, open_address
+from torchpass_plugins.control.etcd_gateway import PASSWORD_VARIABLE, Gateway, address
+from torchpass_plugins.control.etcd_store import EtcdStore, open_address
 from torchpass_plugins.testing.etcd_cluster import EtcdCluster
 
 pytestmark = pytest.mark.timeout(120)
@@ -64,11 +65,11 @@ def test_a_wait_is_pushed_not_polled_outlives_the_member_it_listens_to_and_wakes
     requests = []
 
     def counted(name):
-        method = getattr(EtcdStore, name)
+        method = getattr(Gateway, name)
         return lambda self, *args, **kwargs: (requests.append(name), method(self, *args, **kwargs))[1]
 
-    for name in ("_call", "_watch_for_put"):  # every request the store makes goes through one of these
-        monkeypatch.setattr(EtcdStore, name, counted(name))
+    for name in ("call", "watch_for_put"):  # every request the store makes goes through one of these
+        monkeypatch.setattr(Gateway, name, counted(name))
     with pytest.raises(dist.DistStoreError, match="wait timeout"):
         store.wait(["missing"], timedelta(seconds=2))
     assert len(requests) <= 3, requests  # a look, a watch and a last look: no polling

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from torchpass_plugins.config import AgentConfig, TorchPassConfig
-from torchpass_plugins.control.etcd_store import PASSWORD_VARIABLE
+from torchpass_plugins.control.etcd_gateway import PASSWORD_VARIABLE
 from torchpass_plugins.control.launch_config import LaunchConfig
 from torchpass_plugins.core import rng
 from torchpass_plugins.testing.faults import Fault

@@ -1,10 +1,8 @@
 """The job's store on etcd v3: a ``torch.distributed.Store`` whose keys live in a replicated, consensus
 store, so that they outlive any one node (the embedded ``TCPStore`` lives in node 0's agent).
 
-It speaks etcd's JSON gateway (``/v3/kv/...`` over HTTP, keys and values in base64) with the standard
-library, trying the endpoints in turn from the last one that answered. An operation that no member can
-serve (no quorum: fewer than half of the members up) is retried until the store's timeout: nothing is
-decided without a quorum, and the caller resumes when one is back. Atomic operations (``add``,
+It reaches the members through ``etcd_gateway``: an operation that no member can serve (no quorum) is
+retried until the store's timeout, so nothing is decided without a quorum. Atomic operations (``add``,
 ``compare_set``, the queue) are etcd transactions that compare a key's revision, retried on a race.
 ``torch.distributed`` takes it as any store: process groups rendezvous through it, under a ``PrefixStore``.
 An ``add`` whose reply is lost after etcd applied it (a member failing mid-request) is retried and
@@ -16,69 +14,24 @@ object is collected every call fails with torch's "Not implemented".
 from __future__ import annotations
 
 import base64
-import http.client
 import json
-import os
-import ssl
 import time
-import urllib.error
-import urllib.parse
-import urllib.request
 import uuid
-from dataclasses import asdict, dataclass
 from datetime import timedelta
 
 import torch.distributed as dist
 
+from torchpass_plugins.control.etcd_gateway import NO_CREDENTIALS, RETRY_S, Credentials, Gateway, parse
+
 _POLL_S = (0.005, 0.1)  # a blocking queue pop polls from the first interval, doubling up to the second
 _WATCH_ROUND_S = 10.0  # the longest a wait listens to one member before it looks again (see ``wait``)
 _TXN_OPS = 128  # etcd's default --max-txn-ops
-_AUTHENTICATE = "/v3/auth/authenticate"
-_RETRY_S = 0.2  # between rounds over every endpoint while none answers
-_REQUEST_S = 5.0  # one HTTP request; a member without quorum answers an error after etcd's own timeout
-PASSWORD_VARIABLE = "TORCHPASS_ETCD_PASSWORD"  # the etcd user's password: in the environment, never on a command line
-
-
-SCHEME = "etcd://"  # a store address that names an etcd cluster: etcd://HOST:PORT,HOST:PORT,.../NAME
-
-
-@dataclass(frozen=True)
-class Credentials:
-    """How to talk to the members, as etcd's own clients take it: TLS (the CA file that signed the members'
-    certificates; a client certificate and key where they ask for one) and an etcd user (the password is
-    read from ``TORCHPASS_ETCD_PASSWORD``). Files are named by path: every process of the job reads them."""
-
-    cacert: str = ""
-    cert: str = ""
-    key: str = ""
-    user: str = ""
-
-    def tls(self) -> ssl.SSLContext | None:
-        if not (self.cacert or self.cert):
-            return None
-        context = ssl.create_default_context(cafile=self.cacert or None)
-        if self.cert:
-            context.load_cert_chain(self.cert, self.key or None)
-        return context
-
-
-def address(members: str, name: str, credentials: Credentials = Credentials()) -> str:
-    """The store address of job ``name`` in the cluster whose client addresses are ``members`` (comma-separated),
-    with the credentials' files and user (not the password) as its query."""
-    query = urllib.parse.urlencode({k: v for k, v in asdict(credentials).items() if v})
-    return f"{SCHEME}{members}/{name}" + (f"?{query}" if query else "")
-
-
-def members_of(store_address: str) -> list[str]:
-    """The members' ``HOST:PORT`` of an etcd store address."""
-    return store_address.removeprefix(SCHEME).split("/", 1)[0].split(",")
 
 
 def open_address(store_address: str, timeout: timedelta) -> EtcdStore:
     """A client of the job's keys at ``store_address``, once some member answers (else ``DistStoreError``)."""
-    location, _, query = store_address.partition("?")
-    store = EtcdStore(members_of(location), prefix=f"torchpass/{location.rsplit('/', 1)[1]}", timeout=timeout,
-                      credentials=Credentials(**dict(urllib.parse.parse_qsl(query))))
+    members, name, credentials = parse(store_address)
+    store = EtcdStore(members, prefix=f"torchpass/{name}", timeout=timeout, credentials=credentials)
     store.check(["reachable"])
     return store
 
@@ -99,17 +52,9 @@ class EtcdStore(dist.Store):
     """Keys under ``prefix`` in the etcd cluster at ``endpoints`` (``host:port`` of its client URLs)."""
 
     def __init__(self, endpoints: list[str], prefix: str = "torchpass", timeout: timedelta = timedelta(seconds=300),
-                 credentials: Credentials = Credentials()) -> None:
+                 credentials: Credentials = NO_CREDENTIALS) -> None:
         super().__init__()
-        if not endpoints:
-            raise ValueError("EtcdStore needs at least one endpoint (host:port)")
-        self._endpoints, self._credentials = list(endpoints), credentials
-        context = credentials.tls()
-        self._urls = [f"{'https' if context else 'http'}://{e}" for e in endpoints]
-        self._opener = urllib.request.build_opener(urllib.request.ProxyHandler({}),  # never through an http_proxy
-                                                   urllib.request.HTTPSHandler(context=context))
-        self._auth_token: str | None = None
-        self._first = 0  # the endpoint that answered last
+        self._gateway = Gateway(endpoints, credentials)
         self._prefix = prefix.encode().rstrip(b"/") + b"/"
         self._fence: list[dict] = []  # compared by every write (see ``fenced``)
         self.set_timeout(timeout)
@@ -121,7 +66,7 @@ class EtcdStore(dist.Store):
     def under(self, prefix: str) -> EtcdStore:
         """A client of the keys under ``prefix`` (torch's ``PrefixStore`` would hide the queue methods)."""
         path = self._prefix.decode() + prefix if prefix else self._prefix[:-1].decode()
-        store = EtcdStore(self._endpoints, path, self.timeout, self._credentials)
+        store = EtcdStore(self._gateway.endpoints, path, self.timeout, self._gateway.credentials)
         store._fence = self._fence
         return store
 
@@ -134,43 +79,8 @@ class EtcdStore(dist.Store):
                          "create_revision": str(created)}]
         return store
 
-    # -- the gateway --------------------------------------------------------------------------------------
-    def _call(self, path: str, body: dict, fresh_token: bool = False) -> dict:
-        if self._credentials.user and self._auth_token is None and path != _AUTHENTICATE:
-            login = {"name": self._credentials.user, "password": os.environ.get(PASSWORD_VARIABLE, "")}
-            self._auth_token, fresh_token = self._call(_AUTHENTICATE, login)["token"], True
-        deadline = time.monotonic() + self.timeout.total_seconds()
-        data = json.dumps(body).encode()
-        while True:
-            errors = []
-            for i in range(len(self._urls)):
-                index = (self._first + i) % len(self._urls)
-                try:
-                    with self._open(index, path, data, _REQUEST_S) as reply:
-                        answer = json.loads(reply.read())
-                    self._first = index
-                    return answer
-                except urllib.error.HTTPError as exc:
-                    if exc.code == 401 and self._auth_token is not None and not fresh_token:  # expired: log in
-                        self._auth_token = None
-                        return self._call(path, body)
-                    if exc.code < 500:  # refused as asked: asking again will not help
-                        why = exc.read().decode(errors="replace")[:300]
-                        raise dist.DistStoreError(f"etcd at {self._urls[index]} refused {path}: {exc} {why}") from exc
-                    errors.append(f"{self._urls[index]}: {exc}")  # up, without a quorum or a leader
-                except (OSError, http.client.HTTPException, ValueError) as exc:  # down, or lost mid-reply
-                    errors.append(f"{self._urls[index]}: {exc}")
-            if time.monotonic() > deadline:
-                raise dist.DistStoreError(f"etcd: no member answered within {self.timeout}: {'; '.join(errors)}")
-            time.sleep(_RETRY_S)
-
-    def _open(self, index: int, path: str, data: bytes, seconds: float):
-        """A request to member ``index`` (its reply, to be read and closed), logged in where a user is set."""
-        headers = {"Content-Type": "application/json"}
-        if self._auth_token and path != _AUTHENTICATE:
-            headers["Authorization"] = self._auth_token
-        request = urllib.request.Request(self._urls[index] + path, data=data, headers=headers)
-        return self._opener.open(request, timeout=seconds)
+    def _call(self, path: str, body: dict) -> dict:
+        return self._gateway.call(path, body, self.timeout)
 
     def _key(self, key: str) -> bytes:
         return self._prefix + key.encode()
@@ -251,27 +161,8 @@ class EtcdStore(dist.Store):
                 if left <= 0:
                     raise dist.DistStoreError(f"etcd: wait timeout for {keys} after {timeout}")
                 began, seconds = time.monotonic(), min(left, _WATCH_ROUND_S)
-                if not self._watch_for_put(key, int(reply["header"]["revision"]) + 1, seconds):
-                    time.sleep(max(0.0, min(_RETRY_S, began + seconds - time.monotonic())))  # no hot loop
-
-    def _watch_for_put(self, key: str, revision: int, seconds: float) -> bool:
-        """Whether ``key`` was put at ``revision`` or later within ``seconds``; False also when the member goes
-        away or refuses. The caller looks again either way, so a member that is down, paused or cut off from
-        the others delays a wake-up by one round at most, and no put is missed (etcd replays the history from
-        ``revision``)."""
-        body = {"create_request": {"key": _b64(self._key(key)), "start_revision": str(revision)}}
-        ends = time.monotonic() + seconds
-        try:
-            with self._open(self._first, "/v3/watch", json.dumps(body).encode(), seconds) as reply:
-                while time.monotonic() < ends:
-                    result = json.loads(reply.readline() or b"{}").get("result")
-                    if result is None or result.get("canceled"):
-                        return False
-                    if any(event.get("type", "PUT") == "PUT" for event in result.get("events", ())):
-                        return True
-        except (OSError, http.client.HTTPException, ValueError):  # gone, refused, silent for the round, cut short
-            pass
-        return False
+                if not self._gateway.watch_for_put(_b64(self._key(key)), int(reply["header"]["revision"]) + 1, seconds):
+                    time.sleep(max(0.0, min(RETRY_S, began + seconds - time.monotonic())))  # no hot loop
 
     def delete_key(self, key: str) -> bool:
         if self._fence:

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from torchpass_plugins.config import AgentConfig, TorchPassConfig
-from torchpass_plugins.control.etcd_store import PASSWORD_VARIABLE, Credentials, address
+from torchpass_plugins.control.etcd_gateway import PASSWORD_VARIABLE, Credentials, address
 from torchpass_plugins.health.watch import HealthConfig, HealthThresholds
 
 

@@ -20,7 +20,8 @@ from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
-from torchpass_plugins.control.etcd_store import SCHEME, EtcdStore, open_address
+from torchpass_plugins.control.etcd_gateway import SCHEME
+from torchpass_plugins.control.etcd_store import EtcdStore, open_address
 from torchpass_plugins.control.protocol import (
     ABORT_KEY,
     DONE_KEY,

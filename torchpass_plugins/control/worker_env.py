@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 
 from torchpass_plugins.config import StragglerConfig
-from torchpass_plugins.control.etcd_store import members_of
+from torchpass_plugins.control.etcd_gateway import members_of
 
 VARIABLE = "TORCHPASS_WORKER"
 

@@ -11,7 +11,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from torchpass_plugins.control.etcd_store import Credentials
+from torchpass_plugins.control.etcd_gateway import Credentials
 from torchpass_plugins.testing.chaos.jobs import free_port
 
 START_TIMEOUT_S = 30.0
