@@ -25,7 +25,7 @@ import torch.distributed as dist
 from fake_group import FakeGroup, Generation, Killed, Op
 
 from torchpass_plugins.control.membership import JobAborted
-from torchpass_plugins.control.protocol import TRAINED_KEY, Roster
+from torchpass_plugins.control.protocol import TRAINED_KEY, Roster, RosterChange
 from torchpass_plugins.control.worker_env import WorkerEnv
 from torchpass_plugins.core.interfaces import Phase
 from torchpass_plugins.core.runtime import Runtime, SpareReleased
@@ -203,6 +203,9 @@ class FakeMember:
 
     def roster(self, gen: int) -> Roster:
         return self.world.rosters[gen]
+
+    def change(self, gen: int) -> RosterChange:
+        return self.world.rosters[gen].change_from(self.world.rosters.get(gen - 1))
 
     def wait_newer_than(self, gen: int) -> None:
         with self.world.cond:

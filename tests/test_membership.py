@@ -77,6 +77,35 @@ def test_coordinator_replaces_lost_ranks_then_aborts_when_no_spare_is_left(store
     assert [e["event"] for e in read_events(tmp_path)].count("failure_detected") == 2
 
 
+def test_after_a_failure_a_worker_reads_what_changed_not_the_whole_roster(store, tmp_path):
+    """The change names the replaced rank only, whatever the world size; a worker that holds the roster
+    before rebuilds the new one from it, equal to the published one, without reading it whole."""
+    master, s = store
+    workers = [f"n0-s{i}-i0" for i in range(10)]
+    c = Coordinator(s, "tok", processes=10, world_size=8, events=EventLog(None))
+    for w in workers:
+        _join(s, w)
+    c.poll()
+    env = WorkerEnv(store=f"127.0.0.1:{master.port}", token="tok", worker_id=workers[0], world_size=8, node_rank=0,
+                    local_slot=0, run_dir="", seed=0, heartbeat_interval=0.5)
+    member = Member(env)
+    try:
+        assert member.roster(0).ranks == tuple(workers[:8])
+        for gen, lost in ((1, 5), (2, 2)):
+            _exit(s, c.ranks[lost], -9)
+            c.poll()
+            change = member.change(gen)
+            assert change.changed == {lost: c.ranks[lost]} and change.abort is None
+            published = s.get(roster_key(gen))
+            s.set(roster_key(gen), Roster(gen, ("not-read",) * 8).to_json())  # a whole read would show
+            assert member.roster(gen) == Roster.from_json(published)
+        _exit(s, c.ranks[0], -9)
+        c.poll()
+        assert member.change(3).abort and member.roster(3).abort  # no spare left: the change says so
+    finally:
+        member.close()
+
+
 def test_coordinator_rejects_a_wrong_token_and_releases_spares_at_the_end(store, tmp_path):
     _, s = store
     c = Coordinator(s, "tok", processes=2, world_size=1, events=EventLog(None))

@@ -45,6 +45,7 @@ from torchpass_plugins.control.protocol import (
     decode,
     evict_key,
     join_key,
+    roster_change_key,
     roster_key,
     send,
     watch_key,
@@ -308,9 +309,12 @@ class Coordinator:
         )
 
     def _set_roster(self, roster: Roster) -> None:
-        """Write the roster, then wake the roster watch of every worker of the previous and the new one (in one
-        request to a TCPStore, one per 128 workers to etcd)."""
-        self.store.set(roster_key(roster.gen), roster.to_json())
+        """Write the roster and its change from the previous one (what workers read), then wake the roster
+        watch of every worker of the previous and the new one (in one request to a TCPStore, one per 128
+        workers to etcd)."""
+        before = Roster(self.gen, tuple(self.ranks_before)) if self.ranks_before is not None else None
+        self.store.multi_set([roster_key(roster.gen), roster_change_key(roster.gen)],
+                             [roster.to_json(), roster.change_from(before).to_json()])
         woken = sorted(set(self.ranks_before or []) | set(roster.ranks))
         self.store.multi_set([watch_key(worker_id, roster.gen) for worker_id in woken], [b"1"] * len(woken))
         self.gen = roster.gen

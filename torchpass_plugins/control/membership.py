@@ -31,6 +31,7 @@ from torchpass_plugins.control.protocol import (
     RESTART_KEY,
     Join,
     Roster,
+    RosterChange,
     agent_beat_key,
     assign_key,
     heartbeat_key,
@@ -39,6 +40,7 @@ from torchpass_plugins.control.protocol import (
     node_agent_key,
     node_lost_key,
     reached_key,
+    roster_change_key,
     roster_key,
     send,
     watch_key,
@@ -49,6 +51,9 @@ if TYPE_CHECKING:
     from torchpass_plugins.control.launch_config import LaunchConfig
 
 _POLL_S = 0.02
+_ASSIGNMENT_LOOK = timedelta(seconds=1)
+_CHANGES_READ = 8  # a roster more generations ahead than this is read whole, not as changes
+_ROSTERS_HELD = 4
 _WATCH_WAIT = timedelta(hours=1)  # a bound only: the coordinator or ``close`` ends the wait
 
 
@@ -94,7 +99,7 @@ def connect_store(endpoint: str, is_master: bool = False, timeout: float = 600.0
         listener = socket.socket(family, kind, proto)
         listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         listener.bind(address)
-        listener.listen(128)
+        listener.listen(socket.SOMAXCONN)  # every worker of the job connects at its start
         port = listener.getsockname()[1]
         fd = listener.detach()  # the store's server owns it from now on
     return dist.TCPStore(host, int(port), is_master=is_master, timeout=timedelta(seconds=timeout),
@@ -181,6 +186,7 @@ class Member:
     drain_notice: dict | None = field(init=False, default=None)  # the planned migration not yet carried out
     _drained_id: int = field(init=False, default=0)
     _threads: list[threading.Thread] = field(init=False, default_factory=list)
+    _rosters: dict[int, Roster] = field(init=False, default_factory=dict)  # the last few read
 
     def __post_init__(self) -> None:
         self._client = connect_store(self.env.store)
@@ -208,22 +214,42 @@ class Member:
 
     def wait_assignment(self, idle: Callable[[], None] = lambda: None) -> dict:
         """Block until the coordinator assigns this worker a logical rank (spares wait here), calling
-        ``idle`` between looks. A worker that registers after the job ended (a refill started just before
-        the end) is told to exit."""
+        ``idle`` between looks. The wait is the store's own (the assignment's write wakes it), in slices of
+        ``_ASSIGNMENT_LOOK``: a waiting worker costs the store a request or two a second, not a poll. A worker
+        that registers after the job ended (a refill started just before the end) is told to exit."""
         key = assign_key(self.env.worker_id)
-        while not self.store.check([key]):
+        while True:
+            try:
+                self.store.wait([key], _ASSIGNMENT_LOOK)
+                return json.loads(self.store.get(key))
+            except dist.DistStoreError:  # not yet
+                pass
             idle()
             if self.store.check([DONE_KEY]):
                 return {"exit": self.store.get(DONE_KEY).decode()}
-            if self._stop.wait(_POLL_S):
+            if self._stop.is_set():
                 raise InterruptedError(key)
-        return json.loads(self.store.get(key))
+
+    def change(self, gen: int) -> RosterChange:
+        """What roster ``gen`` changed (what a worker needs once a roster is published)."""
+        return RosterChange.from_json(self.store.get(roster_change_key(gen)))
 
     def roster(self, gen: int) -> Roster:
-        return Roster.from_json(self.store.get(roster_key(gen)))
-
-    def newest_roster(self) -> Roster:
-        return self.roster(self.latest_gen)
+        """Roster ``gen``: from the newest one held before it and the changes since where there is one, else
+        read whole (a world's worth of names, read once)."""
+        held = dict(self._rosters)  # read from the training thread and the step signals' thread
+        if gen in held:
+            return held[gen]
+        before = [g for g in held if gen - _CHANGES_READ <= g < gen]
+        if before:
+            roster = held[max(before)]
+            while roster.gen < gen:
+                roster = roster.changed_by(self.change(roster.gen + 1))
+        else:
+            roster = Roster.from_json(self.store.get(roster_key(gen)))
+        held[gen] = roster
+        self._rosters = {g: held[g] for g in sorted(held)[-_ROSTERS_HELD:]}
+        return roster
 
     def watch_from(self, gen: int) -> None:
         """Start (once) a thread that wakes ``changed`` whenever roster ``gen + 1``, ``gen + 2``... appears."""

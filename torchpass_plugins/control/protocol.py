@@ -55,6 +55,12 @@ def roster_key(gen: int) -> str:
     return f"roster/{gen}"
 
 
+def roster_change_key(gen: int) -> str:
+    """``RosterChange`` of generation ``gen``. Every worker reads it after a failure; were that the whole
+    roster, the store would send bytes in the square of the world size."""
+    return f"roster_change/{gen}"
+
+
 def assign_key(worker_id: str) -> str:
     """The coordinator's answer to a join: ``{"gen", "rank"}``, ``{"exit": why}`` or ``{"reject": why}``."""
     return f"assign/{worker_id}"
@@ -132,6 +138,40 @@ class Roster:
     def from_json(cls, text: str | bytes) -> Roster:
         d = json.loads(text)
         return cls(gen=d["gen"], ranks=tuple(d["ranks"]), abort=d.get("abort"), reason=d.get("reason", ""))
+
+    def change_from(self, before: Roster | None) -> RosterChange:
+        """This roster as a change of ``before``, the generation before it (None: every rank is new)."""
+        was = before.ranks if before is not None else (None,) * self.world_size
+        changed = {rank: w for rank, (w, old) in enumerate(zip(self.ranks, was, strict=True)) if w != old}
+        return RosterChange(self.gen, changed, self.abort, self.reason)
+
+    def changed_by(self, change: RosterChange) -> Roster:
+        """The next roster, from its ``change`` of this one."""
+        if change.gen != self.gen + 1:
+            raise ValueError(f"roster change {change.gen} does not follow roster {self.gen}")
+        ranks = list(self.ranks)
+        for rank, worker in change.changed.items():
+            ranks[rank] = worker
+        return Roster(change.gen, tuple(ranks), change.abort, change.reason)
+
+
+@dataclass(frozen=True)
+class RosterChange:
+    """What generation ``gen`` changed: the ranks a new worker runs, and whether the job stops there. What a
+    worker needs after a failure, in a few bytes where the roster has a world's worth of names."""
+
+    gen: int
+    changed: dict[int, str]
+    abort: str | None = None
+    reason: str = ""
+
+    def to_json(self) -> str:
+        return json.dumps({"gen": self.gen, "changed": self.changed, "abort": self.abort, "reason": self.reason})
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> RosterChange:
+        d = json.loads(text)
+        return cls(d["gen"], {int(rank): w for rank, w in d["changed"].items()}, d["abort"], d["reason"])
 
 
 # -- inbox messages -----------------------------------------------------------------------------------

@@ -294,10 +294,10 @@ class Runtime(SignalVerbs):
         """Wait for a roster newer than the current group's; returns its generation (raises if it aborts)."""
         self.member.wait_newer_than(self.transport.gen if self.transport.built() else -1)
         gen = self.member.latest_gen
-        roster = self.member.roster(gen)
-        if roster.abort:
-            self.events.emit("job_aborted", rank=self.rank, message=roster.abort, applied=self._applied())
-            raise JobAborted(roster.abort)
+        abort = self.member.change(gen).abort
+        if abort:
+            self.events.emit("job_aborted", rank=self.rank, message=abort, applied=self._applied())
+            raise JobAborted(abort)
         return gen
 
     def training_complete(self, step: int) -> None:
