@@ -12,7 +12,7 @@ import urllib.request
 from pathlib import Path
 
 from torchpass_plugins.control.etcd_gateway import Credentials
-from torchpass_plugins.testing.chaos.jobs import free_port
+from torchpass_plugins.testing.chaos.jobs import free_ports
 
 START_TIMEOUT_S = 30.0
 _PR_SET_PDEATHSIG = 1
@@ -65,8 +65,8 @@ class EtcdCluster:
         self.credentials = _certificates(root / "tls") if tls else Credentials()
         self._scheme = "https" if tls else "http"
         self.names = [f"m{i}" for i in range(members)]
-        self.client = [free_port() for _ in self.names]
-        self.peer = [free_port() for _ in self.names]
+        ports = free_ports(2 * members)
+        self.client, self.peer = ports[:members], ports[members:]
         self.procs: list[subprocess.Popen | None] = [None] * members
         self.initial = ",".join(f"{n}=http://127.0.0.1:{p}" for n, p in zip(self.names, self.peer, strict=True))
 

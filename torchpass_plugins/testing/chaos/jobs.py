@@ -28,9 +28,20 @@ SAME_ROUNDING = {"OMP_NUM_THREADS": "1"}
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_ports(1)[0]
+
+
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct free ports on 127.0.0.1: held open together while chosen, so the system cannot hand
+    out one of them twice (ports asked for one at a time, each closed at once, can repeat)."""
+    sockets = [socket.socket() for _ in range(n)]
+    try:
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
 
 
 def alive(pid: int) -> bool:
