@@ -27,9 +27,9 @@ def recovered_ranks(job) -> set[int]:
 
 def test_sigkill_of_a_nonzero_rank_from_outside(tmp_path, reference):
     wide = ("--hidden", "256")  # a hidden weight of 256 KiB: large enough to travel in place, and to land
-    job = start(tmp_path, train_args=(*TRAIN, *wide, "--sleep-per-step", "0.1"))
+    job = start(tmp_path, train_args=(*TRAIN, *wide, "--sleep-per-step", "0.8"))  # room for the spare's look
     try:
-        job.wait_until(lambda: len(job.applied(1)) >= 6, "rank 1 to reach step 6")
+        job.wait_until(lambda: job.events("landing_prepared"), "the spare to prepare its landing")
         os.kill(job.pid_of_rank(1), signal.SIGKILL)
         codes = job.wait()
     finally:

@@ -51,7 +51,7 @@ if TYPE_CHECKING:
     from torchpass_plugins.control.launch_config import LaunchConfig
 
 _POLL_S = 0.02
-_ASSIGNMENT_LOOK = timedelta(seconds=1)
+_ASSIGNMENT_LOOKS = (1.0, 8.0)  # a waiting worker's first look at its assignment, doubling up to the second
 _CHANGES_READ = 8  # a roster more generations ahead than this is read whole, not as changes
 _ROSTERS_HELD = 4
 _WATCH_WAIT = timedelta(hours=1)  # a bound only: the coordinator or ``close`` ends the wait
@@ -214,21 +214,26 @@ class Member:
 
     def wait_assignment(self, idle: Callable[[], None] = lambda: None) -> dict:
         """Block until the coordinator assigns this worker a logical rank (spares wait here), calling
-        ``idle`` between looks. The wait is the store's own (the assignment's write wakes it), in slices of
-        ``_ASSIGNMENT_LOOK``: a waiting worker costs the store a request or two a second, not a poll. A worker
-        that registers after the job ended (a refill started just before the end) is told to exit."""
+        ``idle`` between looks. The wait is the store's own (the assignment's write wakes it, or the job's end:
+        the coordinator then tells every waiting spare to exit), in looks of ``_ASSIGNMENT_LOOKS`` seconds,
+        doubling: a spare that waits all job long costs the store a few requests per 8 s, not a poll, which at
+        thousands of spares on etcd is the difference between a light and a saturated cluster. Between looks
+        it checks the job's end itself, for a worker that registers after the end (a refill started just
+        before it), which no one tells."""
         key = assign_key(self.env.worker_id)
+        look, longest = _ASSIGNMENT_LOOKS
         while True:
+            if self.store.check([DONE_KEY]):
+                return {"exit": self.store.get(DONE_KEY).decode()}
             try:
-                self.store.wait([key], _ASSIGNMENT_LOOK)
+                self.store.wait([key], timedelta(seconds=look))
                 return json.loads(self.store.get(key))
             except dist.DistStoreError:  # not yet
                 pass
             idle()
-            if self.store.check([DONE_KEY]):
-                return {"exit": self.store.get(DONE_KEY).decode()}
             if self._stop.is_set():
                 raise InterruptedError(key)
+            look = min(2 * look, longest)
 
     def change(self, gen: int) -> RosterChange:
         """What roster ``gen`` changed (what a worker needs once a roster is published)."""

@@ -53,8 +53,10 @@ class Backend:
 
 
 class GlooBackend(Backend):
-    """CPU tensors. A gloo operation cannot be interrupted from another thread; a stuck group is
-    abandoned (kept alive until the other survivors' groups close, which ends it)."""
+    """CPU tensors. A gloo operation cannot be interrupted from another thread, and a gloo group cannot be
+    safely destroyed once a peer died: a replaced generation's group is kept alive instead (see
+    ``ReconfigurableGroup._retire``); an operation stuck in it ends when its peer's process does, or at the
+    group's timeout."""
 
     name = "gloo"
 

@@ -138,25 +138,36 @@ class ReconfigurableGroup(dist.ProcessGroup):
         self._groups = self._wait_future(result, f"connect generation {generation}")
 
     def abort(self) -> None:
-        """End the current generation: every backend aborts its group within its deadline (gloo's groups
-        are abandoned instead; see :meth:`_retire`). Raises :class:`~torchpass_plugins.core.backends.AbortHung`
-        if a backend's abort does not return in time: only leaving the process frees it."""
+        """End the current generation, which is being replaced (a peer may have died): every backend aborts
+        its group within its deadline, and the groups are retired (:meth:`_retire`). Raises
+        :class:`~torchpass_plugins.core.backends.AbortHung` if a backend's abort does not return in time:
+        only leaving the process frees it."""
+        self._retire(self._end())
+
+    def release(self) -> None:
+        """At the process's end, every peer done: end the current generation and let its groups go (gloo's
+        threads end as its groups are dropped)."""
+        self._end()
+
+    def _end(self) -> dict[str, dist.ProcessGroup]:
         groups, self._groups = self._groups, {}
         self._on_device.clear()
         for device, pg in groups.items():
-            backend = self.backends[device]
-            if backend.can_abort:
-                abort_within(backend, pg)
-        self._retire(groups.values())
+            if self.backends[device].can_abort:
+                abort_within(self.backends[device], pg)
+        return groups
 
-    def _retire(self, groups: Iterable[dist.ProcessGroup]) -> None:
-        """Drop a replaced generation. If one of its operations is still pending (escaped from a wait, or
-        issued and never waited for), its destructor would join a thread stuck with a dead peer, so the
-        groups are kept alive for good instead; closing the groups of the other survivors is what makes
-        such an operation fail and its thread end."""
+    def _retire(self, groups: dict[str, dist.ProcessGroup]) -> None:
+        """Drop a replaced generation's groups, or keep them alive for good where dropping them is unsafe.
+        With an operation still pending (escaped from a wait, or issued and never waited for), a group's
+        destructor would join a thread stuck with a dead peer. And a gloo group is always kept: gloo's teardown
+        of a connection that a dead peer closed can abort the process (its removal from gloo's event loop
+        finds the descriptor gone and throws from a destructor, ``terminate called ... loop.cc ...
+        epoll_ctl: No such file or directory``, seen when the garbage collector dropped such a group), and
+        which peer died is not known here. A kept group holds a socket per peer until the process ends."""
         self._escaped = [f for f in self._escaped if not f.done()]
-        if self._escaped:
-            for pg in groups:
+        for device, pg in groups.items():
+            if self._escaped or not self.backends[device].can_abort:
                 ctypes.pythonapi.Py_IncRef(ctypes.py_object(pg))
 
     def drain(self, timeout: float) -> bool:

@@ -332,7 +332,7 @@ class Runtime(SignalVerbs):
         if not drained:
             return False
         for t in transports:  # gloo's threads end as its groups are dropped, NCCL's communicators are aborted
-            t.abort()
+            t.release()
         if dist.is_initialized():
             dist.destroy_process_group()
         return True
