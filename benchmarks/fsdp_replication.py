@@ -183,8 +183,10 @@ def render(size: Size, times: dict[int, list[float]], within: list[float], recov
             "record of the exit until every rank has completed the step in flight. Host memory: the rank's three "
             "segments of packed snapshots (two kept, one being written); its successor on the same host maps them, "
             "so the replica it holds costs nothing more (across hosts: two own snapshots and two received replicas). "
-            "Gradient log: the most the rank held at once of its predecessor's logged gradients (one shard-sized "
-            "gradient per step since the last replica round) and rank-local state; the largest over ranks.",
+            "Gradient log: the most the rank held at once for it: its own entries (one shard-sized gradient and its "
+            "rank-local state per step), written into memory its successor on the same host maps, kept from the "
+            "successor's oldest replica on (across hosts: the predecessor's entries, received); the largest over "
+            "ranks.",
         ]
     return "\n".join(lines)
 

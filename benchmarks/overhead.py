@@ -60,10 +60,11 @@ WHAT_DIFFERS = {
            "small all-reduce (the commit vote, which also carries migration flags and step times); Lightning's "
            "`ddp` broadcasts a one-element tensor each step (its SIGTERM check)",
     "fsdp": "the same FSDP2 units, settings and collectives; `torchpass_fsdp` routes them through its relay group "
-            "(so a failure can break them), hands its ring successor its rank-local state at each boundary and "
-            "commit, and commits each step with a small all-reduce; `torchpass_fsdp+replicas` also sends the "
-            "successor each step's gradient shard in the commit (the gradient log) and packs its shard state "
-            "after every optimizer step, in a background thread, into memory that its ring neighbour maps",
+            "(so a failure can break them) and commits each step with a small all-reduce; "
+            "`torchpass_fsdp+replicas` also hands its ring successor its rank-local state at each boundary, and "
+            "in the commit each step's gradient shard (the gradient log), written into memory the successor maps, "
+            "and packs its shard state at every boundary, in a background thread of the idle class, into memory "
+            "that its ring neighbour maps",
 }
 
 

@@ -1,6 +1,7 @@
 """Ring replication between two real processes: the replica a rank holds is its predecessor's shard state
 of that step, and it outlives a SIGKILLed predecessor, whether it was mapped from the predecessor's memory
-(same host) or received over the side group."""
+(same host) or received over the side group; so does the gradient log, whose entries a same-host
+successor maps too."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import torch.distributed as dist
 
 from torchpass_plugins.core.peer_memory import SegmentId
 from torchpass_plugins.core.process_group import PeerFailure
+from torchpass_plugins.core.rank_state import RankStateRing
 from torchpass_plugins.core.ring_replication import RingReplicator, map_predecessor
 from torchpass_plugins.core.state_transfer import pack, unpack
 
@@ -76,18 +78,18 @@ def _worker(rank: int, port: int, share_memory: bool, many: int, results: mp.Que
     results.put((rank, "held", held))
 
 
-@pytest.mark.parametrize(("share_memory", "many"), [(True, 0), (False, 0), (True, 1000)],
-                         ids=["mapped", "sent", "mapped-structure-beyond-header"])
-def test_a_replica_is_the_predecessors_shard_and_outlives_it(share_memory, many):
+def _kill_the_predecessor_and_look(worker, *args) -> tuple[dict[int, int], dict, int]:
+    """Run ``worker`` as ranks 0 and 1 of a ring; once both report, SIGKILL rank 0 and let rank 1 look at
+    what it holds of it. Returns each rank's first report, rank 1's second, and rank 1's exit code."""
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     ctx = mp.get_context("spawn")
     # A queue per rank: a process SIGKILLed while it held a shared queue's lock would block the other's puts.
     results, verify = [ctx.Queue(), ctx.Queue()], ctx.Event()
-    procs = [ctx.Process(target=_worker, args=(r, store.port, share_memory, many, results[r], verify)) for r in (0, 1)]
+    procs = [ctx.Process(target=worker, args=(r, store.port, *args, results[r], verify)) for r in (0, 1)]
     for p in procs:
         p.start()
     try:
-        replicated = dict(q.get(timeout=TIMEOUT_S)[::2] for q in results)
+        first = dict(q.get(timeout=TIMEOUT_S)[::2] for q in results)
         os.kill(procs[0].pid, signal.SIGKILL)
         procs[0].join(TIMEOUT_S)
         verify.set()
@@ -99,8 +101,15 @@ def test_a_replica_is_the_predecessors_shard_and_outlives_it(share_memory, many)
                 p.kill()
             p.join(5)
     assert (rank, what) == (1, "held")
+    return first, held, procs[1].exitcode
+
+
+@pytest.mark.parametrize(("share_memory", "many"), [(True, 0), (False, 0), (True, 1000)],
+                         ids=["mapped", "sent", "mapped-structure-beyond-header"])
+def test_a_replica_is_the_predecessors_shard_and_outlives_it(share_memory, many):
+    replicated, held, survivor_exit = _kill_the_predecessor_and_look(_worker, share_memory, many)
+    assert survivor_exit == 0
     assert held == {ROUNDS - 2: (True, share_memory), ROUNDS - 1: (True, share_memory)}
-    assert procs[1].exitcode == 0
     meta, payload = (t.numel() for t in pack(_shard(1, ROUNDS - 1, many)))
     # Mapped: KEEP + 1 own segments, replicas cost nothing more; sent: KEEP own + KEEP received copies;
     # the structures of KEEP own snapshots and KEEP replicas either way (besides segments given up on while
@@ -115,3 +124,41 @@ def test_a_segment_gone_with_its_writer_is_a_peer_failure_not_a_crash():
     assert map_predecessor(gone, 4096, settled=False) is None  # not settled yet: the bytes come over the group
     with pytest.raises(PeerFailure, match="segment is gone"):
         map_predecessor(gone, 4096, settled=True)
+
+
+def _entry(rank: int, step: int) -> dict:
+    """A step's log entry as ``torchpass_fsdp`` writes it: a shard-sized gradient and the rank's own state."""
+    grads = {"w": torch.full((300_000,), step + rank / 8)}
+    return {"own": {"seen": torch.tensor([step, rank])}, "step": {"grads": grads}}
+
+
+def _log_worker(rank: int, port: int, share_memory: bool, results: mp.Queue, verify: mp.Event) -> None:
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=TIMEOUT_S))
+    pg = dist.ProcessGroupGloo(store, rank, 2, timedelta(seconds=TIMEOUT_S))
+    side = _Side(pg, rank)
+    replicator, log = RingReplicator(side, every=1, share_memory=share_memory), RankStateRing(keep_votes=False)
+    for step in range(ROUNDS):
+        replicator.start_round(step, _shard(rank, step), host=None)
+        replicator.fence()
+        log.exchange(side, "vote", step, _entry(rank, step), needed_from=replicator.successor_needs_from())
+        log.forget_votes_before(min(replicator.replicas))
+    pg.barrier().wait()
+    results.put((rank, "logged", log.nbytes()))
+    if rank == 0:
+        signal.pause()  # until SIGKILLed
+    verify.wait(TIMEOUT_S)
+    held = {step: (_same(log.get("vote", step), _entry(0, step)), mapped)
+            for step, (_, _, mapped) in log.copies["vote"].items()}
+    results.put((rank, "held", held))
+
+
+@pytest.mark.parametrize("share_memory", [True, False], ids=["mapped", "sent"])
+def test_the_gradient_log_outlives_its_writer_and_reuses_its_memory(share_memory):
+    logged, held, survivor_exit = _kill_the_predecessor_and_look(_log_worker, share_memory)
+    assert survivor_exit == 0
+    # The successor keeps the entries since its oldest replica (rounds ROUNDS - 2 and ROUNDS - 1) ...
+    assert held == {ROUNDS - 2: (True, share_memory), ROUNDS - 1: (True, share_memory)}
+    meta, payload = (t.numel() for t in pack(_entry(1, ROUNDS - 1)))
+    # ... and, mapped, the writer holds the memory of those its successor may still need (since its
+    # KEEP + 1-th newest round: 3 entries, older ones written over); sent, the successor holds copies.
+    assert logged[1] == (3 * payload + 2 * meta if share_memory else 2 * (meta + payload))

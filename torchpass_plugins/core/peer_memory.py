@@ -65,3 +65,38 @@ def _map(fd: int, nbytes: int) -> torch.Tensor:
     if nbytes == 0:
         return torch.empty(0, dtype=torch.uint8)
     return torch.frombuffer(mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED), dtype=torch.uint8)
+
+
+class SegmentPool:
+    """Segments of this process's memory that hold one step's entry each, for a same-host peer that maps
+    them: an entry's memory is written again only once the peer can no longer need its step."""
+
+    def __init__(self) -> None:
+        self._held: dict[int, Segment] = {}
+
+    def take(self, step: int, nbytes: int, needed_from: int) -> torch.Tensor:
+        """Memory for ``step``'s entry: that of an entry before ``needed_from`` (or of ``step``'s own, written
+        again) if one has the size, else new; other such entries' memory is let go of."""
+        reusable = [s for s in sorted(self._held) if s < needed_from or s == step]
+        chosen = None
+        for s in reusable:
+            segment = self._held.pop(s)
+            if chosen is None and segment.nbytes == nbytes:
+                chosen = segment
+            else:
+                segment.close()
+        self._held[step] = chosen = chosen or Segment(nbytes)
+        return chosen.tensor
+
+    def where(self, step: int) -> SegmentId:
+        return self._held[step].id
+
+    def forget(self) -> None:
+        """A new ring: no peer maps these entries any more."""
+        for segment in self._held.values():
+            segment.close()
+        self._held.clear()
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.nbytes for s in self._held.values())

@@ -27,11 +27,14 @@ from typing import Any
 
 import torch
 
+from torchpass_plugins.core.peer_memory import SegmentId, SegmentPool
 from torchpass_plugins.core.process_group import ReconfigurableGroup
+from torchpass_plugins.core.ring_replication import map_predecessor
 from torchpass_plugins.core.state_transfer import fields_of, frame, pack, structure_of, unpack
 
 _TAG = 7  # apart from the state hand-over's messages between the same two ranks
-_FIELDS = 3  # step, structure bytes, payload bytes
+_FIELDS = 7  # step, structure bytes, payload bytes, segment (pid, fd, device, inode; -1 when sent)
+_SENT = [-1] * 4
 KEEP = 2
 
 
@@ -41,37 +44,57 @@ class RankStateRing:
     too, kept until its replica round makes them unneeded: :meth:`forget_votes_before`)."""
 
     def __init__(self, keep_votes: bool = True) -> None:
-        self.copies: dict[str, dict[int, tuple[torch.Tensor, torch.Tensor]]] = {"vote": {}, "boundary": {}}
+        self.copies: dict[str, dict[int, tuple[torch.Tensor, torch.Tensor, bool]]] = {"vote": {}, "boundary": {}}
         self._bounded = {"vote": keep_votes, "boundary": True}
+        self._written = SegmentPool()  # this rank's entries that its successor maps
         self.peak_bytes = 0  # the most host memory the copies held at once (reported with the replicas')
 
-    def exchange(self, transport: ReconfigurableGroup, kind: str, step: int, state: Any) -> None:
-        """Send ``state`` to the successor and keep the predecessor's, both at once (raises ``PeerFailure``)."""
+    def exchange(self, transport: ReconfigurableGroup, kind: str, step: int, state: Any,
+                 needed_from: int | None = None) -> None:
+        """Send ``state`` to the successor and keep the predecessor's, both at once (raises ``PeerFailure``).
+
+        ``needed_from``: the successor maps this rank's memory (:mod:`peer_memory`) and needs no entry of a
+        step before it. The bytes are then written where it maps them (into an older entry's memory), and
+        only their structure is sent: a shard-sized gradient skips two copies through a socket each step.
+        It is written before this returns, so before the vote, and the mapping keeps it if this rank dies."""
         if transport.world_size < 2:
             return
         succ, pred = (transport.rank + 1) % transport.world_size, (transport.rank - 1) % transport.world_size
-        meta, payload = pack(state)
-        first, rest = frame([step, meta.numel(), payload.numel()], torch.cat([meta, payload]))
+        if needed_from is None:
+            meta, payload = pack(state)
+            where, outgoing = _SENT, torch.cat([meta, payload])
+        else:
+            meta, payload = pack(state, lambda n: self._written.take(step, n, needed_from))
+            where, outgoing = self._written.where(step).to_list() if payload.numel() else _SENT, meta
+        first, rest = frame([step, meta.numel(), payload.numel(), *where], outgoing)
         theirs = torch.empty_like(first)
         transport.wait_all([transport.send([first], succ, _TAG), transport.recv([theirs], pred, _TAG)],
                            f"rank state at the {kind}")
-        got_step, meta_n, payload_n = fields_of(theirs, _FIELDS)
-        blob, rest_in = structure_of(theirs, _FIELDS, meta_n + payload_n)
+        got_step, meta_n, payload_n, *at = fields_of(theirs, _FIELDS)
+        mapped = at[0] >= 0
+        blob, rest_in = structure_of(theirs, _FIELDS, meta_n if mapped else meta_n + payload_n)
         works = [transport.send([rest], succ, _TAG)] if rest is not None else []
         works += [transport.recv([rest_in], pred, _TAG)] if rest_in is not None else []
         if works:
             transport.wait_all(works, f"rank state at the {kind}")
         kept = self.copies[kind]
-        kept[got_step] = (blob[:meta_n], blob[meta_n:])
+        if mapped:
+            kept[got_step] = (blob, map_predecessor(SegmentId(*at), payload_n, settled=True), True)
+        else:
+            kept[got_step] = (blob[:meta_n], blob[meta_n:], False)
         self.peak_bytes = max(self.peak_bytes, self.nbytes())
         for old in sorted(kept)[:-KEEP] if self._bounded[kind] else ():
             del kept[old]
 
     def nbytes(self) -> int:
-        return sum(meta.numel() + payload.numel() for kept in self.copies.values() for meta, payload in kept.values())
+        """The host memory this rank holds for the ring's copies: those it received (not those it maps: their
+        memory is the predecessor's) and its own entries that the successor maps."""
+        return self._written.nbytes + sum(meta.numel() + (0 if mapped else payload.numel())
+                                          for kept in self.copies.values() for meta, payload, mapped in kept.values())
 
     def get(self, kind: str, step: int) -> Any:
-        return unpack(*self.copies[kind][step])
+        meta, payload, _ = self.copies[kind][step]
+        return unpack(meta, payload)
 
     def logged(self) -> set[int]:
         """The steps whose vote copy this rank holds."""
@@ -85,6 +108,7 @@ class RankStateRing:
         """A new ring (after a recovery): the copies came from a predecessor this rank may no longer have."""
         for kept in self.copies.values():
             kept.clear()
+        self._written.forget()
 
     def for_entry(self, entry: int) -> tuple[str, Any]:
         """The predecessor's state at boundary ``entry``: ``("boundary", state)``; else as of the vote before

@@ -70,6 +70,7 @@ class RingReplicator:
     _copy: IdleCopy | None = None  # its snapshot copy, once planned
     _planned: threading.Event = field(default_factory=threading.Event)
     _abandoned: list[tuple[Segment, IdleCopy]] = field(default_factory=list)  # may still be written
+    _started: list[int] = field(default_factory=list)  # the last ``KEEP + 1`` rounds' steps since the reset
     _error: str | None = None
     _crash: Exception | None = None
 
@@ -82,6 +83,7 @@ class RingReplicator:
         """After a recovery: the ring has a new member and nothing older than the restored step matters."""
         self.own.clear()
         self.replicas.clear()
+        self._started.clear()
         self._succ_maps = self._pred_mapped = None
         self._thread, self._copy, self._error = None, None, None
 
@@ -93,6 +95,7 @@ class RingReplicator:
         finishes what is left of it.
         """
         self.fence()
+        self._started[:] = [*self._started, step][-(KEEP + 1):]
         self._error, self._copy, self._round_args = None, None, (step, shard_state, host)
         self._planned.clear()
         self._thread = threading.Thread(
@@ -138,6 +141,15 @@ class RingReplicator:
         if self._error is not None:
             error, self._error = self._error, None
             raise PeerFailure(f"shard replication: {error}")
+
+    def successor_needs_from(self) -> int | None:
+        """Where the successor maps this rank's memory (else ``None``): the oldest step whose replica of this
+        rank it may still hold, so the oldest step it may replay from. It holds the ``KEEP`` newest rounds it
+        completed, and it completes each before its next gradient reduction, a collective this rank makes
+        before starting a round: so none older than this rank's ``KEEP + 1``-th newest."""
+        if not (self.share_memory and self._succ_maps):
+            return None
+        return min(self._started, default=0)
 
     def host_bytes(self) -> int:
         """What this rank's replication holds: its segments (:attr:`abandoned_bytes` included) and the
