@@ -77,6 +77,19 @@ def test_a_kill_in_every_phase_of_a_step_rolls_no_survivor_back(tmp_path, refere
     assert job.leftovers() == []
 
 
+@pytest.mark.parametrize("phase", ["backward", "commit"])
+def test_two_ranks_lost_at_once_apart_in_the_ring_roll_no_survivor_back(tmp_path, reference, phase):
+    """Ranks 0 and 2 of 4 SIGKILLed in the same step: neither holds the other's replica, so each lost shard
+    comes from its own ring successor, and the survivors go on from the step the job was at."""
+    world = ("--devices", "4", "--max-steps", str(STEPS), *FSDP)
+    job, codes = run(tmp_path, nproc=6, spares=2, train_args=world,
+                     faults=f"kill@rank=0,step=5,phase={phase};kill@rank=2,step=5,phase={phase}")
+    assert_bit_exact(job, codes, reference(4, FSDP), world=4)
+    assert {(e["restore_step"], e["steps_rolled_back"]) for e in job.events("recovered")} == {(5, 0)}
+    shards = {(e["rank"], e["src"]) for e in job.events("state_received") if e["kind"] == "shard"}
+    assert shards == {(0, 1), (2, 3)}
+
+
 def test_a_rank_lost_with_its_replica_holder_falls_back_to_the_newest_sharded_snapshot(tmp_path, reference):
     # Rank 2 dies after rank 1's replacement was published: the recovery itself meets a second failure, and
     # rank 1's shard exists nowhere in memory. The job restarts and every rank loads its shards from the snapshot.

@@ -69,23 +69,22 @@ def _map(fd: int, nbytes: int) -> torch.Tensor:
 
 class SegmentPool:
     """Segments of this process's memory that hold one step's entry each, for a same-host peer that maps
-    them: an entry's memory is written again only once the peer can no longer need its step."""
+    them: an entry's memory is written again only once the peer can no longer need its step. Memory let go
+    of is kept for later entries: a new segment costs its pages' first touch."""
 
     def __init__(self) -> None:
         self._held: dict[int, Segment] = {}
+        self._free: list[Segment] = []
 
     def take(self, step: int, nbytes: int, needed_from: int) -> torch.Tensor:
         """Memory for ``step``'s entry: that of an entry before ``needed_from`` (or of ``step``'s own, written
-        again) if one has the size, else new; other such entries' memory is let go of."""
-        reusable = [s for s in sorted(self._held) if s < needed_from or s == step]
-        chosen = None
-        for s in reusable:
-            segment = self._held.pop(s)
-            if chosen is None and segment.nbytes == nbytes:
-                chosen = segment
-            else:
-                segment.close()
-        self._held[step] = chosen = chosen or Segment(nbytes)
+        again) if one has the size, else new."""
+        for s in [s for s in self._held if s < needed_from or s == step]:
+            self._free.append(self._held.pop(s))
+        for segment in [s for s in self._free if s.nbytes != nbytes]:  # (the entries' size changed)
+            self._free.remove(segment)
+            segment.close()
+        self._held[step] = chosen = self._free.pop() if self._free else Segment(nbytes)
         return chosen.tensor
 
     def where(self, step: int) -> SegmentId:
@@ -93,10 +92,11 @@ class SegmentPool:
 
     def forget(self) -> None:
         """A new ring: no peer maps these entries any more."""
-        for segment in self._held.values():
+        for segment in [*self._held.values(), *self._free]:
             segment.close()
         self._held.clear()
+        self._free.clear()
 
     @property
     def nbytes(self) -> int:
-        return sum(s.nbytes for s in self._held.values())
+        return sum(s.nbytes for s in [*self._held.values(), *self._free])
