@@ -184,9 +184,9 @@ def render(size: Size, times: dict[int, list[float]], within: list[float], recov
             "segments of packed snapshots (two kept, one being written); its successor on the same host maps them, "
             "so the replica it holds costs nothing more (across hosts: two own snapshots and two received replicas). "
             "Gradient log: the most the rank held at once for it: its own entries (one shard-sized gradient and its "
-            "rank-local state per step), written into memory its successor on the same host maps, kept from the "
-            "successor's oldest replica on (across hosts: the predecessor's entries, received); the largest over "
-            "ranks.",
+            "rank-local state per step), written into memory its successor on the same host maps, kept from one "
+            "round before the successor's oldest replica on (across hosts: the predecessor's entries, "
+            "received); the largest over ranks.",
         ]
     return "\n".join(lines)
 

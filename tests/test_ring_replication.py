@@ -14,10 +14,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from torchpass_plugins.core.peer_memory import SegmentId
+from torchpass_plugins.core.peer_memory import SegmentId, map_predecessor
 from torchpass_plugins.core.process_group import PeerFailure
 from torchpass_plugins.core.rank_state import RankStateRing
-from torchpass_plugins.core.ring_replication import RingReplicator, map_predecessor
+from torchpass_plugins.core.ring_replication import RingReplicator
 from torchpass_plugins.core.state_transfer import pack, unpack
 
 ROUNDS = 4

@@ -15,6 +15,8 @@ from dataclasses import astuple, dataclass
 
 import torch
 
+from torchpass_plugins.core.process_group import PeerFailure
+
 
 @dataclass(frozen=True)
 class SegmentId:
@@ -61,6 +63,18 @@ def map_peer(segment: SegmentId, nbytes: int) -> torch.Tensor:
         os.close(fd)
 
 
+def map_predecessor(segment: SegmentId, nbytes: int, settled: bool) -> torch.Tensor | None:
+    """Map the predecessor's segment; ``None`` where it cannot be mapped while this generation has not
+    ``settled`` that it maps (then the bytes come over the side group). Once settled, a segment that cannot
+    be opened means the predecessor died after announcing it: a ``PeerFailure`` like any lost peer's."""
+    try:
+        return map_peer(segment, nbytes)
+    except OSError as exc:
+        if settled:
+            raise PeerFailure(f"the predecessor's segment is gone: {exc}") from exc  # (its segment with it)
+        return None
+
+
 def _map(fd: int, nbytes: int) -> torch.Tensor:
     if nbytes == 0:
         return torch.empty(0, dtype=torch.uint8)
@@ -70,21 +84,29 @@ def _map(fd: int, nbytes: int) -> torch.Tensor:
 class SegmentPool:
     """Segments of this process's memory that hold one step's entry each, for a same-host peer that maps
     them: an entry's memory is written again only once the peer can no longer need its step. Memory let go
-    of is kept for later entries: a new segment costs its pages' first touch."""
+    of is kept for later entries of its size (a new segment costs its pages' first touch)."""
 
     def __init__(self) -> None:
         self._held: dict[int, Segment] = {}
         self._free: list[Segment] = []
 
     def take(self, step: int, nbytes: int, needed_from: int) -> torch.Tensor:
-        """Memory for ``step``'s entry: that of an entry before ``needed_from`` (or of ``step``'s own, written
-        again) if one has the size, else new."""
-        for s in [s for s in self._held if s < needed_from or s == step]:
+        """Memory for ``step``'s entry: that of an entry before ``needed_from`` if one has the size, else new.
+        An entry of ``step`` already held is never written again (the peer may be reading it): let go of."""
+        if step in self._held:
+            self._held.pop(step).close()
+        for s in [s for s in self._held if s < needed_from]:
             self._free.append(self._held.pop(s))
-        for segment in [s for s in self._free if s.nbytes != nbytes]:  # (the entries' size changed)
-            self._free.remove(segment)
-            segment.close()
-        self._held[step] = chosen = self._free.pop() if self._free else Segment(nbytes)
+        if nbytes == 0:
+            return torch.empty(0, dtype=torch.uint8)
+        fits = [s for s in self._free if s.nbytes == nbytes]
+        chosen = fits[-1] if fits else Segment(nbytes)
+        if fits:
+            self._free.remove(chosen)
+        self._held[step] = chosen
+        for old in self._free[: max(0, len(self._free) - len(self._held))]:  # no more spare than in use
+            self._free.remove(old)
+            old.close()
         return chosen.tensor
 
     def where(self, step: int) -> SegmentId:

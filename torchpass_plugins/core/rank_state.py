@@ -14,6 +14,10 @@ A spare entering at boundary ``E`` gets its predecessor's copy of boundary ``E``
 predecessor was lost before that exchange (after step ``E - 1``'s vote), the copy of that vote, which
 misses only what ran after the optimizer step (event ``rank_state_received``, ``kind: "vote"``).
 
+A copy may be large (``torchpass_fsdp``'s vote copy carries the step's gradient shard): to a successor that
+maps this rank's memory (:mod:`peer_memory`, the same host) only its structure travels, its bytes staying in
+a segment of this rank's that the successor's mapping keeps alive.
+
 A rank lost together with its successor (two failures at once, or one during the recovery from another)
 leaves no copy of its state; its spare then starts those values over, as resuming from a snapshot would,
 and the log says so (event ``rank_state_lost``). A second holder would close that gap, but in small rings
@@ -27,14 +31,13 @@ from typing import Any
 
 import torch
 
-from torchpass_plugins.core.peer_memory import SegmentId, SegmentPool
+from torchpass_plugins.core.peer_memory import SegmentId, SegmentPool, map_predecessor
 from torchpass_plugins.core.process_group import ReconfigurableGroup
-from torchpass_plugins.core.ring_replication import map_predecessor
 from torchpass_plugins.core.state_transfer import fields_of, frame, pack, structure_of, unpack
 
 _TAG = 7  # apart from the state hand-over's messages between the same two ranks
 _FIELDS = 7  # step, structure bytes, payload bytes, segment (pid, fd, device, inode; -1 when sent)
-_SENT = [-1] * 4
+_NOT_MAPPED = [-1] * 4
 KEEP = 2
 
 
@@ -62,10 +65,10 @@ class RankStateRing:
         succ, pred = (transport.rank + 1) % transport.world_size, (transport.rank - 1) % transport.world_size
         if needed_from is None:
             meta, payload = pack(state)
-            where, outgoing = _SENT, torch.cat([meta, payload])
+            where, outgoing = _NOT_MAPPED, torch.cat([meta, payload])
         else:
             meta, payload = pack(state, lambda n: self._written.take(step, n, needed_from))
-            where, outgoing = self._written.where(step).to_list() if payload.numel() else _SENT, meta
+            where, outgoing = self._written.where(step).to_list() if payload.numel() else _NOT_MAPPED, meta
         first, rest = frame([step, meta.numel(), payload.numel(), *where], outgoing)
         theirs = torch.empty_like(first)
         transport.wait_all([transport.send([first], succ, _TAG), transport.recv([theirs], pred, _TAG)],
@@ -88,7 +91,7 @@ class RankStateRing:
 
     def nbytes(self) -> int:
         """The host memory this rank holds for the ring's copies: those it received (not those it maps: their
-        memory is the predecessor's) and its own entries that the successor maps."""
+        memory is the predecessor's) and the segments of its own entries (those kept for reuse included)."""
         return self._written.nbytes + sum(meta.numel() + (0 if mapped else payload.numel())
                                           for kept in self.copies.values() for meta, payload, mapped in kept.values())
 

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from torchpass_plugins.core.idle_copy import IdleCopy, copy_piece, pieces
-from torchpass_plugins.core.peer_memory import Segment, SegmentId, map_peer
+from torchpass_plugins.core.peer_memory import Segment, SegmentId, map_predecessor
 from torchpass_plugins.core.process_group import PeerFailure, ReconfigurableGroup
 from torchpass_plugins.core.state_transfer import fields_of, frame, pack_plan, structure_of
 from torchpass_plugins.testing import faults
@@ -231,18 +231,6 @@ class RingReplicator:
         if not self.share_memory or self._pred_mapped is False or segment.pid < 0:
             return None
         return map_predecessor(segment, nbytes, settled=bool(self._pred_mapped))
-
-
-def map_predecessor(segment: SegmentId, nbytes: int, settled: bool) -> torch.Tensor | None:
-    """Map the predecessor's segment; ``None`` where it cannot be mapped while this generation has not
-    ``settled`` that it maps (then the bytes come over the side group). Once settled, a segment that cannot
-    be opened means the predecessor died after announcing it: a ``PeerFailure`` like any lost peer's."""
-    try:
-        return map_peer(segment, nbytes)
-    except OSError as exc:
-        if settled:
-            raise PeerFailure(f"the predecessor's segment is gone: {exc}") from exc  # (its segment with it)
-        return None
 
 
 def _retire_oldest(packs: dict[int, Packed]) -> Packed | None:
