@@ -276,7 +276,6 @@ class Agent:
             print(f"torchpass: job ended without success: {outcome}", file=sys.stderr, flush=True)
         return 0 if outcome == "done" else 1
 
-    # -- other nodes ----------------------------------------------------------------------------------
     # -- device health --------------------------------------------------------------------------------
     def _watched_devices(self) -> list[int]:
         """Slot i uses GPU i (its workers' local rank): the devices of running workers not yet moved off."""

@@ -15,6 +15,7 @@ so :class:`NcclBackend` asks for it; ``TORCH_NCCL_ASYNC_ERROR_HANDLING`` must no
 
 from __future__ import annotations
 
+import ctypes
 import os
 import sys
 import threading
@@ -51,17 +52,29 @@ class Backend:
     def abort(self, group: dist.ProcessGroup) -> None:
         """End ``group``'s pending operations (only called where :attr:`can_abort`)."""
 
+    def retire(self, group: dist.ProcessGroup, pending: bool) -> None:
+        """Let a replaced generation's ``group`` go, unless an operation is still ``pending`` in some group
+        (escaped from a wait, or issued and never waited for): its destructor would then join a thread stuck
+        with a dead peer, so it is kept alive for good (a socket per peer until the process ends)."""
+        if pending:
+            keep_alive(group)
+
 
 class GlooBackend(Backend):
-    """CPU tensors. A gloo operation cannot be interrupted from another thread, and a gloo group cannot be
-    safely destroyed once a peer died: a replaced generation's group is kept alive instead (see
-    ``ReconfigurableGroup._retire``); an operation stuck in it ends when its peer's process does, or at the
-    group's timeout."""
+    """CPU tensors. A gloo operation cannot be interrupted from another thread; one stuck in a replaced
+    generation's group ends when its peer's process does, or at the group's timeout."""
 
     name = "gloo"
 
     def build(self, store: dist.Store, rank: int, world_size: int, timeout: timedelta) -> dist.ProcessGroup:
         return dist.ProcessGroupGloo(store, rank, world_size, timeout)
+
+    def retire(self, group: dist.ProcessGroup, pending: bool) -> None:
+        """Always kept alive: gloo's teardown of a connection that a dead peer closed can abort the process
+        (its removal from gloo's event loop finds the descriptor gone and throws from a destructor,
+        ``terminate called ... loop.cc ... epoll_ctl: No such file or directory``, seen when the garbage
+        collector dropped such a group), and which peer died is not known here."""
+        keep_alive(group)
 
 
 class NcclBackend(Backend):
@@ -83,6 +96,11 @@ class NcclBackend(Backend):
 
     def abort(self, group: dist.ProcessGroup) -> None:
         group.abort()
+
+
+def keep_alive(group: dist.ProcessGroup) -> None:
+    """Never destroy ``group``: a reference no one holds keeps it from its destructor until the process ends."""
+    ctypes.pythonapi.Py_IncRef(ctypes.py_object(group))
 
 
 def abort_within(backend: Backend, group: dist.ProcessGroup) -> None:

@@ -17,6 +17,8 @@ import torch
 
 from torchpass_plugins.core.process_group import PeerFailure
 
+NOT_MAPPED = [-1] * 4  # a message's segment fields where the bytes travel over the group instead
+
 
 @dataclass(frozen=True)
 class SegmentId:
@@ -91,10 +93,8 @@ class SegmentPool:
         self._free: list[Segment] = []
 
     def take(self, step: int, nbytes: int, needed_from: int) -> torch.Tensor:
-        """Memory for ``step``'s entry: that of an entry before ``needed_from`` if one has the size, else new.
-        An entry of ``step`` already held is never written again (the peer may be reading it): let go of."""
-        if step in self._held:
-            self._held.pop(step).close()
+        """Memory for ``step``'s entry: that of an entry before ``needed_from`` if one has the size, else new
+        (a step is logged again only in a new ring, after :meth:`forget`)."""
         for s in [s for s in self._held if s < needed_from]:
             self._free.append(self._held.pop(s))
         if nbytes == 0:

@@ -20,7 +20,6 @@ for the failure-semantics wrappers in :mod:`torchpass_plugins.core.default_group
 
 from __future__ import annotations
 
-import ctypes
 import os
 import sys
 import threading
@@ -70,7 +69,7 @@ class ReconfigurableGroup(dist.ProcessGroup):
         self.rank = -1  # an attribute here (over c10d's rank()): the wrappers answer c10d
         self.world_size = member.env.world_size
         self._failure: str | None = None  # what failed in this generation (it cannot be used again)
-        self._escaped: list = []  # completion futures of operations that may still be pending (see _retire)
+        self._escaped: list = []  # completion futures of operations that may still be pending (see abort)
         self._on_device: dict[int, dist.Work] = {}  # issued NCCL work, polled rather than waited in slices
         self.waited = 0.0  # seconds spent waiting for operations so far (straggler detection subtracts it)
 
@@ -139,10 +138,13 @@ class ReconfigurableGroup(dist.ProcessGroup):
 
     def abort(self) -> None:
         """End the current generation, which is being replaced (a peer may have died): every backend aborts
-        its group within its deadline, and the groups are retired (:meth:`_retire`). Raises
+        its group within its deadline, then lets it go as it finds safe (:meth:`Backend.retire`). Raises
         :class:`~torchpass_plugins.core.backends.AbortHung` if a backend's abort does not return in time:
         only leaving the process frees it."""
-        self._retire(self._end())
+        groups = self._end()
+        self._escaped = [f for f in self._escaped if not f.done()]
+        for device, pg in groups.items():
+            self.backends[device].retire(pg, pending=bool(self._escaped))
 
     def release(self) -> None:
         """At the process's end, every peer done: end the current generation and let its groups go (gloo's
@@ -156,19 +158,6 @@ class ReconfigurableGroup(dist.ProcessGroup):
             if self.backends[device].can_abort:
                 abort_within(self.backends[device], pg)
         return groups
-
-    def _retire(self, groups: dict[str, dist.ProcessGroup]) -> None:
-        """Drop a replaced generation's groups, or keep them alive for good where dropping them is unsafe.
-        With an operation still pending (escaped from a wait, or issued and never waited for), a group's
-        destructor would join a thread stuck with a dead peer. And a gloo group is always kept: gloo's teardown
-        of a connection that a dead peer closed can abort the process (its removal from gloo's event loop
-        finds the descriptor gone and throws from a destructor, ``terminate called ... loop.cc ...
-        epoll_ctl: No such file or directory``, seen when the garbage collector dropped such a group), and
-        which peer died is not known here. A kept group holds a socket per peer until the process ends."""
-        self._escaped = [f for f in self._escaped if not f.done()]
-        for device, pg in groups.items():
-            if self._escaped or not self.backends[device].can_abort:
-                ctypes.pythonapi.Py_IncRef(ctypes.py_object(pg))
 
     def drain(self, timeout: float) -> bool:
         """Wait up to ``timeout`` for operations left in replaced groups; True when none is pending."""

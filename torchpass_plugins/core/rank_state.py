@@ -31,13 +31,12 @@ from typing import Any
 
 import torch
 
-from torchpass_plugins.core.peer_memory import SegmentId, SegmentPool, map_predecessor
+from torchpass_plugins.core.peer_memory import NOT_MAPPED, SegmentId, SegmentPool, map_predecessor
 from torchpass_plugins.core.process_group import ReconfigurableGroup
 from torchpass_plugins.core.state_transfer import fields_of, frame, pack, structure_of, unpack
 
 _TAG = 7  # apart from the state hand-over's messages between the same two ranks
 _FIELDS = 7  # step, structure bytes, payload bytes, segment (pid, fd, device, inode; -1 when sent)
-_NOT_MAPPED = [-1] * 4
 KEEP = 2
 
 
@@ -65,10 +64,10 @@ class RankStateRing:
         succ, pred = (transport.rank + 1) % transport.world_size, (transport.rank - 1) % transport.world_size
         if needed_from is None:
             meta, payload = pack(state)
-            where, outgoing = _NOT_MAPPED, torch.cat([meta, payload])
+            where, outgoing = NOT_MAPPED, torch.cat([meta, payload])
         else:
             meta, payload = pack(state, lambda n: self._written.take(step, n, needed_from))
-            where, outgoing = self._written.where(step).to_list() if payload.numel() else _NOT_MAPPED, meta
+            where, outgoing = self._written.where(step).to_list() if payload.numel() else NOT_MAPPED, meta
         first, rest = frame([step, meta.numel(), payload.numel(), *where], outgoing)
         theirs = torch.empty_like(first)
         transport.wait_all([transport.send([first], succ, _TAG), transport.recv([theirs], pred, _TAG)],

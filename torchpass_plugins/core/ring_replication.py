@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from torchpass_plugins.core.idle_copy import IdleCopy, copy_piece, pieces
-from torchpass_plugins.core.peer_memory import Segment, SegmentId, map_predecessor
+from torchpass_plugins.core.peer_memory import NOT_MAPPED, Segment, SegmentId, map_predecessor
 from torchpass_plugins.core.process_group import PeerFailure, ReconfigurableGroup
 from torchpass_plugins.core.state_transfer import fields_of, frame, pack_plan, structure_of
 from torchpass_plugins.testing import faults
@@ -193,7 +193,7 @@ class RingReplicator:
         succ, pred = (side.rank + 1) % side.world_size, (side.rank - 1) % side.world_size
         try:
             side.check()
-            where = self._segments[-1].id.to_list() if mine.payload.numel() else [-1] * 4  # just written
+            where = self._segments[-1].id.to_list() if mine.payload.numel() else NOT_MAPPED  # just written
             header, rest = frame([step, mine.meta.numel(), mine.payload.numel(), *where], mine.meta)
             theirs = torch.empty_like(header)
             side.wait_all([side.send([header], succ, 0), side.recv([theirs], pred, 0)], "replication header")
