@@ -1,7 +1,7 @@
 """Ring replication between two real processes: the replica a rank holds is its predecessor's shard state
 of that step, and it outlives a SIGKILLed predecessor, whether it was mapped from the predecessor's memory
-(same host) or received over the side group; so does the gradient log, whose entries a same-host
-successor maps too."""
+(same host) or received over the side group; so does the gradient log, which a same-host successor reads
+from its predecessor's mailbox."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from torchpass_plugins.core import mailbox
 from torchpass_plugins.core.peer_memory import SegmentId, map_predecessor
 from torchpass_plugins.core.process_group import PeerFailure
 from torchpass_plugins.core.rank_state import RankStateRing
@@ -21,6 +22,7 @@ from torchpass_plugins.core.ring_replication import RingReplicator
 from torchpass_plugins.core.state_transfer import pack, unpack
 
 ROUNDS = 4
+LOG_ROUNDS = 8  # enough for the mailbox to write entries over older ones' memory
 TIMEOUT_S = 60
 
 
@@ -29,7 +31,7 @@ class _Side:
     replaces."""
 
     def __init__(self, pg: dist.ProcessGroup, rank: int) -> None:
-        self.pg, self.rank, self.world_size = pg, rank, 2
+        self.pg, self.rank, self.world_size, self.gen = pg, rank, 2, 0
 
     def check(self) -> None:
         """No roster ever replaces this group."""
@@ -136,19 +138,20 @@ def _log_worker(rank: int, port: int, share_memory: bool, results: mp.Queue, ver
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=TIMEOUT_S))
     pg = dist.ProcessGroupGloo(store, rank, 2, timedelta(seconds=TIMEOUT_S))
     side = _Side(pg, rank)
-    replicator, log = RingReplicator(side, every=1, share_memory=share_memory), RankStateRing(keep_votes=False)
-    for step in range(ROUNDS):
+    replicator = RingReplicator(side, every=1, share_memory=share_memory)
+    log = RankStateRing(keep_votes=False, share_memory=share_memory)
+    for step in range(LOG_ROUNDS):
         replicator.start_round(step, _shard(rank, step), host=None)
         replicator.fence()
-        log.exchange(side, "vote", step, _entry(rank, step), needed_from=replicator.successor_needs_from())
+        log.exchange(side, "vote", step, _entry(rank, step), keep_votes_from=replicator.successor_replays_from())
         log.forget_votes_before(min(replicator.replicas))
     pg.barrier().wait()
     results.put((rank, "logged", log.nbytes()))
     if rank == 0:
         signal.pause()  # until SIGKILLed
     verify.wait(TIMEOUT_S)
-    held = {step: (_same(log.get("vote", step), _entry(0, step)), mapped)
-            for step, (_, _, mapped) in log.copies["vote"].items()}
+    held = {step: (_same(log.get("vote", step), _entry(0, step)), step not in log.copies["vote"])
+            for step in log.logged()}
     results.put((rank, "held", held))
 
 
@@ -156,9 +159,14 @@ def _log_worker(rank: int, port: int, share_memory: bool, results: mp.Queue, ver
 def test_the_gradient_log_outlives_its_writer_and_reuses_its_memory(share_memory):
     logged, held, survivor_exit = _kill_the_predecessor_and_look(_log_worker, share_memory)
     assert survivor_exit == 0
-    # The successor keeps the entries since its oldest replica (rounds ROUNDS - 2 and ROUNDS - 1) ...
-    assert held == {ROUNDS - 2: (True, share_memory), ROUNDS - 1: (True, share_memory)}
-    meta, payload = (t.numel() for t in pack(_entry(1, ROUNDS - 1)))
-    # ... and, mapped, the writer holds the memory of those its successor may still need (since its
-    # KEEP + 1-th newest round: 3 entries, older ones written over); sent, the successor holds copies.
-    assert logged[1] == (3 * payload + 2 * meta if share_memory else 2 * (meta + payload))
+    meta, payload = (t.numel() for t in pack(_entry(1, LOG_ROUNDS - 1)))
+    if share_memory:
+        # The first entry is sent (it settles that the successor maps the mailbox), the rest are written
+        # to the mailbox, which keeps those since the writer's KEEP + 1-th newest round: 3 entries, each
+        # written over the memory of an older one, so the mailbox holds 3 entries' memory.
+        assert held == {step: (True, True) for step in range(LOG_ROUNDS - 3, LOG_ROUNDS)}
+        assert 3 * (meta + payload) <= logged[1] - mailbox._DATA <= 3 * (meta + payload + 2 * mailbox._ALIGN)
+    else:
+        # Sent, the successor keeps its copies of the entries since its oldest replica.
+        assert held == {LOG_ROUNDS - 2: (True, False), LOG_ROUNDS - 1: (True, False)}
+        assert logged[1] == 2 * (meta + payload)

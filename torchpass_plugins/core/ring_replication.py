@@ -142,13 +142,10 @@ class RingReplicator:
             error, self._error = self._error, None
             raise PeerFailure(f"shard replication: {error}")
 
-    def successor_needs_from(self) -> int | None:
-        """Where the successor maps this rank's memory (else ``None``): the oldest step whose replica of this
-        rank it may still hold, so the oldest step it may replay from. It holds the ``KEEP`` newest rounds it
-        completed, and it completes each before its next gradient reduction, a collective this rank makes
-        before starting a round: so none older than this rank's ``KEEP + 1``-th newest."""
-        if not (self.share_memory and self._succ_maps):
-            return None
+    def successor_replays_from(self) -> int:
+        """The oldest step the successor may replay this rank's shard from: it holds the ``KEEP`` newest
+        rounds it completed, and it completes each before its next gradient reduction, a collective this
+        rank makes before starting a round: so none older than this rank's ``KEEP + 1``-th newest."""
         return min(self._started, default=0)
 
     def host_bytes(self) -> int:

@@ -73,7 +73,7 @@ class LoggedCommit:
             try:
                 if self.replicator.every:  # else no copy of this rank could be used: a lost rank stops the job
                     self.ring_copies.exchange(rt.transport, "vote", step, self._log_entry(optimizer, stepped),
-                                              needed_from=self.replicator.successor_needs_from())
+                                              keep_votes_from=self.replicator.successor_replays_from())
                 faults.point("commit")
                 vote = rt.signals.row()
                 rt.transport.all_reduce(vote, what="commit vote")
