@@ -30,8 +30,8 @@ class _Side:
     """The part of ``ReconfigurableGroup`` the replicator uses, over a plain gloo group that no roster
     replaces."""
 
-    def __init__(self, pg: dist.ProcessGroup, rank: int) -> None:
-        self.pg, self.rank, self.world_size, self.gen = pg, rank, 2, 0
+    def __init__(self, pg: dist.ProcessGroup, rank: int, world_size: int = 2) -> None:
+        self.pg, self.rank, self.world_size, self.gen = pg, rank, world_size, 0
 
     def check(self) -> None:
         """No roster ever replaces this group."""
@@ -170,3 +170,39 @@ def test_the_gradient_log_outlives_its_writer_and_reuses_its_memory(share_memory
         # Sent, the successor keeps its copies of the entries since its oldest replica.
         assert held == {LOG_ROUNDS - 2: (True, False), LOG_ROUNDS - 1: (True, False)}
         assert logged[1] == 2 * (meta + payload)
+
+
+def _mixed_worker(rank: int, port: int, results: mp.Queue) -> None:
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=TIMEOUT_S))
+    pg = dist.ProcessGroupGloo(store, rank, 3, timedelta(seconds=TIMEOUT_S))
+    ring = RankStateRing(share_memory=rank != 1)  # rank 1 as if on another host
+    for step in range(5):
+        ring.exchange(_Side(pg, rank, 3), "boundary", step, {"rank": rank, "step": step, "t": torch.ones(9) * step})
+        ring.exchange(_Side(pg, rank, 3), "vote", step, {"rank": rank, "vote": step})
+    pg.barrier().wait()
+    pred = (rank - 1) % 3
+    right = all(ring.get("boundary", s)["rank"] == pred and torch.equal(ring.get("boundary", s)["t"], torch.ones(9) * s)
+                for s in ring.held("boundary"))
+    results.put((rank, sorted(ring.held("boundary")), sorted(ring.copies["boundary"]), ring.for_entry(4)[0], right))
+
+
+def test_ranks_on_either_side_of_a_host_boundary_pair_up():
+    """Rank 1 can neither map nor be mapped (another host): ranks 0 and 2 exchange messages with it, and
+    rank 0 reads rank 2's copies from its mailbox, with nothing sent between them after the first."""
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    procs = [ctx.Process(target=_mixed_worker, args=(r, store.port, results)) for r in range(3)]
+    for p in procs:
+        p.start()
+    try:
+        got = {r: rest for r, *rest in (results.get(timeout=TIMEOUT_S) for _ in procs)}
+    finally:
+        for p in procs:
+            p.join(TIMEOUT_S)
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+    assert got[0] == [[0, 3, 4], [0], "boundary", True]  # the first sent (it settles), the rest mapped
+    assert got[1] == [[3, 4], [3, 4], "boundary", True]  # all sent
+    assert got[2] == [[3, 4], [3, 4], "boundary", True]

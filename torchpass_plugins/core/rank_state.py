@@ -38,7 +38,7 @@ import torch
 from torchpass_plugins.core.mailbox import RESERVE, Mailbox, PredecessorMailbox
 from torchpass_plugins.core.peer_memory import NOT_MAPPED, SegmentId
 from torchpass_plugins.core.process_group import ReconfigurableGroup
-from torchpass_plugins.core.state_transfer import fields_of, frame, pack, structure_of, unpack
+from torchpass_plugins.core.state_transfer import fields_of, first_buffer, frame, pack, structure_of, unpack
 
 _TAG, _ANSWER = 7, 8  # apart from the state hand-over's messages between the same two ranks
 _FIELDS = 7  # step, structure bytes, payload bytes, the sender's mailbox (pid, fd, device, inode; -1: none)
@@ -69,39 +69,51 @@ class RankStateRing:
         successor may still need (with ``keep_votes`` False)."""
         if transport.world_size < 2:
             return
-        if self._gen == transport.gen and self._succ_maps:
+        settle = self._gen != transport.gen
+        to_mailbox = not settle and self._succ_maps
+        if to_mailbox:
             self._mailbox.put(kind, step, state, self._kept(kind, step, keep_votes_from))
-        else:
-            self._send(transport, kind, step, state, settle=self._gen != transport.gen)
+        receive = settle or self._pred is None
+        if receive or not to_mailbox:
+            self._messages(transport, kind, step, None if to_mailbox else state, receive, settle)
         self.peak_bytes = max(self.peak_bytes, self.nbytes())
 
-    def _send(self, transport: ReconfigurableGroup, kind: str, step: int, state: Any, settle: bool) -> None:
-        """The message hand-over; the first of a generation also settles whether each rank maps its
-        predecessor's mailbox (it announces its own, and answers whether it mapped the one announced)."""
+    def _messages(self, transport: ReconfigurableGroup, kind: str, step: int, state: Any, receive: bool,
+                  settle: bool) -> None:
+        """Send ``state`` to the successor (unless None: it maps this rank's mailbox) and, if ``receive``,
+        the predecessor's entry from it (where this rank does not map the predecessor's mailbox); each rank
+        decides both per neighbour, so ranks on either side of a host boundary pair up. The first hand-over
+        of a generation does both and settles whether each rank maps its predecessor's mailbox: it announces
+        its own, and answers whether it mapped the one announced to it."""
         succ, pred = (transport.rank + 1) % transport.world_size, (transport.rank - 1) % transport.world_size
-        meta, payload = pack(state)
-        mailbox = self._own_mailbox() if settle else None
-        where = mailbox.id.to_list() if mailbox is not None else NOT_MAPPED
-        first, rest = frame([step, meta.numel(), payload.numel(), *where], torch.cat([meta, payload]))
-        theirs = torch.empty_like(first)
-        transport.wait_all([transport.send([first], succ, _TAG), transport.recv([theirs], pred, _TAG)],
-                           f"rank state at the {kind}")
-        got_step, meta_n, payload_n, *at = fields_of(theirs, _FIELDS)
-        blob, rest_in = structure_of(theirs, _FIELDS, meta_n + payload_n)
+        what, works, rest, theirs = f"rank state at the {kind}", [], None, first_buffer()
+        if state is not None:
+            meta, payload = pack(state)
+            mailbox = self._own_mailbox() if settle else None
+            where = mailbox.id.to_list() if mailbox is not None else NOT_MAPPED
+            first, rest = frame([step, meta.numel(), payload.numel(), *where], torch.cat([meta, payload]))
+            works.append(transport.send([first], succ, _TAG))
+        if receive:
+            works.append(transport.recv([theirs], pred, _TAG))
+        transport.wait_all(works, what)
         works = [transport.send([rest], succ, _TAG)] if rest is not None else []
-        works += [transport.recv([rest_in], pred, _TAG)] if rest_in is not None else []
+        if receive:
+            got_step, meta_n, payload_n, *at = fields_of(theirs, _FIELDS)
+            blob, rest_in = structure_of(theirs, _FIELDS, meta_n + payload_n)
+            works += [transport.recv([rest_in], pred, _TAG)] if rest_in is not None else []
         if settle:
             view = self._map(SegmentId(*at))
             answer, reply = torch.tensor([int(view is not None)]), torch.zeros(1, dtype=torch.int64)
             works += [transport.send([answer], pred, _ANSWER), transport.recv([reply], succ, _ANSWER)]
         if works:
-            transport.wait_all(works, f"rank state at the {kind}")
+            transport.wait_all(works, what)
         if settle:
             self._pred, self._succ_maps, self._gen = view, bool(reply.item()), transport.gen
-        kept = self.copies[kind]
-        kept[got_step] = (blob[:meta_n], blob[meta_n:])
-        for old in sorted(kept)[:-KEEP] if self._bounded[kind] else ():
-            del kept[old]
+        if receive:
+            kept = self.copies[kind]
+            kept[got_step] = (blob[:meta_n], blob[meta_n:])
+            for old in sorted(kept)[:-KEEP] if self._bounded[kind] else ():
+                del kept[old]
 
     def _own_mailbox(self) -> Mailbox | None:
         if self._mailbox is None and self._share:

@@ -236,6 +236,11 @@ def frame(fields: list[int], meta: torch.Tensor) -> tuple[torch.Tensor, torch.Te
     return first, (meta[inline:] if meta.numel() > inline else None)
 
 
+def first_buffer() -> torch.Tensor:
+    """Where to receive the first message of a transfer (:func:`frame`)."""
+    return torch.empty(_FIRST, dtype=torch.uint8)
+
+
 def fields_of(first: torch.Tensor, count: int) -> list[int]:
     """The ``count`` int64 fields at the start of a first message (:func:`frame`)."""
     return first[: count * 8].view(torch.int64).tolist()
@@ -263,7 +268,7 @@ def _send(transport: ReconfigurableGroup, meta: torch.Tensor, parts: list[torch.
 def recv_state(transport: ReconfigurableGroup, src: int, landing: Landing | None = None) -> tuple[Any, int]:
     """Receive what :func:`send_state` or :func:`send_packed` sent, large tensors into ``landing``'s where
     their shape and dtype match; returns (state, bytes moved)."""
-    first = torch.empty(_FIRST, dtype=torch.uint8)
+    first = first_buffer()
     transport.recv_from(first, src)
     meta_n, moved = fields_of(first, 2)
     meta, rest = structure_of(first, 2, meta_n)
