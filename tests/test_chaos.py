@@ -100,9 +100,12 @@ def test_the_verdict_catches_a_divergence_and_a_step_applied_twice(work):
 # SIGSTOP (replaced live), a slow rank (nothing lost), the coordinator's agent killed (the job stops; the
 # resubmitted job resumes from its newest snapshot). Seed 1's #21: rank 1 killed, then rank 0 during the
 # recovery, before rank 1's spare held rank 0's copy of its logged values: they start over, and say so.
+# Seed 1's #11: a survivor whose recovery raises, in a collective Lightning's SIGTERM check makes and whose
+# errors it swallows: the survivor fails at its next collective and is replaced (was a hang, then a restart).
 SLICE = {(0, 2): {"zero-rollback"}, (0, 19): {"logs-at-vote"}, (0, 8): {"zero-rollback"}, (0, 20): {"restarted"},
          (0, 58): {"zero-rollback"}, (0, 27): {"zero-rollback"}, (0, 34): {"zero-rollback"},
-         (0, 128): {"zero-rollback"}, (0, 15): {"no-loss"}, (0, 0): {"stopped"}, (1, 21): {"logs-reset"}}
+         (0, 128): {"zero-rollback"}, (0, 15): {"no-loss"}, (0, 0): {"stopped"}, (1, 21): {"logs-reset"},
+         (1, 11): {"logs-reset"}}
 
 
 @pytest.mark.parametrize(("seed", "index"), list(SLICE))

@@ -69,18 +69,16 @@ class Runtime(SignalVerbs):
         self.log = CollectiveLog()
         self.replay = Replay()
         self.buffer_sync: BufferSync | None = None  # module buffers every rank takes from rank 0 (DDP)
-        # copies of the ring predecessor's rank-local state (None: the strategy carries that state itself)
-        self.rank_state: RankStateRing | None = RankStateRing()
+        self.rank_state: RankStateRing | None = RankStateRing()  # None: the strategy carries that state
         self.entering_rank_state: Any = None  # a spare's: the lost rank's, adopted at the first boundary
+        self.failed_recovery: BaseException | None = None  # what ended a recovery: this worker is done
         self.deferred_hand_over: tuple[int, list[int]] | None = None  # (boundary, spares) the donor sends at
         self.boundary_record: Any = None  # the adapter's snapshot at the last boundary
         self.seed_override: int | None = None
         self.leave_hooks: list[Callable[[], None]] = []  # run before leaving the job (aborted, or migrated)
         self.signals = StepSignals(env, self.member, self.transport, self.events)
         self._stall_reported = -1  # the generation of this rank's last stall report
-        # run before the live training state is overwritten in memory (a rollback): e.g. a snapshot's
-        # background copy of that state must finish first
-        self.rollback_hooks: list[Callable[[], object]] = []
+        self.rollback_hooks: list[Callable[[], object]] = []  # before a rollback overwrites the live state
         self.landing: Landing | None = None  # a spare's, prepared while it waits
         self._landing_announced = False
 
@@ -140,6 +138,7 @@ class Runtime(SignalVerbs):
     def collective(self, fn: Callable[[ReconfigurableGroup], T], skipped: T) -> T:
         """Run ``fn`` on the current group; on failure recover and retry, or, if others passed here, return
         the result they got (``skipped`` before a spare's entry boundary: the state it receives supersedes it)."""
+        self._raise_if_recovery_failed()
         pos = (self.step, self.count)
         self.count += 1
         while True:
@@ -165,6 +164,7 @@ class Runtime(SignalVerbs):
         failure makes everyone retry the reduction from the intact local gradients (the spare recomputes
         its predecessor's), unless the agreement finds the step committed.
         """
+        self._raise_if_recovery_failed()
         pos = (self.step, self.count)
         self.count += 1
         if self.replay.behind(pos):
@@ -206,6 +206,7 @@ class Runtime(SignalVerbs):
     # -- step boundaries ---------------------------------------------------------------------------------
     def boundary(self, step: int) -> None:
         """Start of optimizer step ``step``: reseed, record the snapshot, hand over a deferred state."""
+        self._raise_if_recovery_failed()
         self.step, self.count, self.last_boundary = step, 0, step
         self.voted = -1
         if self.phase is Phase.ENTERING:
@@ -245,9 +246,23 @@ class Runtime(SignalVerbs):
 
     # -- recovery ----------------------------------------------------------------------------------------
     def recover(self, plan: RecoveryPlan, cause: str) -> Any:
-        """The recovery loop, one for every strategy: join the newest roster's group, gather every
-        member's row, derive the plan's decision, exchange state; a failure meanwhile starts over with
-        the roster after it. Then the plan applies the decision locally; returns what it returns."""
+        """The recovery loop, one for every strategy (:meth:`_recover_loop`). An exception that ends it
+        ends this worker, and every later collective raises it again: a caller that swallows it (Lightning's
+        SIGTERM broadcast catches everything) must not go on training in a group it never rejoined."""
+        try:
+            return self._recover_loop(plan, cause)
+        except BaseException as exc:
+            self.failed_recovery = exc
+            raise
+
+    def _raise_if_recovery_failed(self) -> None:
+        if self.failed_recovery is not None:
+            raise self.failed_recovery
+
+    def _recover_loop(self, plan: RecoveryPlan, cause: str) -> Any:
+        """Join the newest roster's group, gather every member's row, derive the plan's decision, exchange
+        state; a failure meanwhile starts over with the roster after it. Then the plan applies the decision
+        locally; returns what it returns."""
         t0 = time.perf_counter()
         while True:
             self.report_stall(cause)
