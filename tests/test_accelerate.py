@@ -22,13 +22,17 @@ from torchpass_plugins.testing.chaos.oracle import differences
 pytestmark = pytest.mark.xdist_group("accelerate")  # one worker: the module's failure-free references are made once
 
 EXAMPLE = REPO / "examples" / "accelerate" / "train.py"
+CONFIG = REPO / "examples" / "accelerate" / "accelerate_config.yaml"  # 4 processes, bf16
 STEPS = 16  # 2 passes over 768 samples, 3 ranks x 16 per batch, 2 micro-batches per step
 
 
-def _accelerate(run_dir: Path, processes: int, spares: int, faults: str = "", precision: str = "no") -> Job:
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(processes),
-           "--num_machines", "1", "--mixed_precision", precision, "--dynamo_backend", "no",
-           "--main_process_port", str(free_port()),
+def _accelerate(run_dir: Path, processes: int, spares: int, faults: str = "", precision: str = "no",
+                config: Path | None = None) -> Job:
+    """``accelerate launch`` with these settings as flags, or (``config``) with those of a config file."""
+    settings = (["--config_file", str(config)] if config is not None else
+                ["--multi_gpu", "--num_processes", str(processes), "--num_machines", "1", "--mixed_precision",
+                 precision, "--dynamo_backend", "no"])
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", *settings, "--main_process_port", str(free_port()),
            "-m", "torchpass_plugins.run", "--spares", str(spares), "--run-dir", str(run_dir),
            str(EXAMPLE), "--out", str(run_dir / "out")]  # fmt: skip
     job, codes = run_command(run_dir, cmd, faults)
@@ -62,6 +66,16 @@ def test_a_killed_worker_of_an_accelerate_loop_is_replaced_bit_exactly(tmp_path,
     assert job.final()["applied"] == expected.final()["applied"] == STEPS
     assert_same_state(job, expected)
     for rank in range(3):  # every optimizer step applied exactly once on every logical rank
+        assert job.applied(rank) == list(range(STEPS)), f"rank {rank} applied {job.applied(rank)}"
+
+
+def test_the_settings_of_an_accelerate_config_file_reach_the_job_unchanged(tmp_path, failure_free_bf16):
+    """``accelerate launch --config_file`` with the example's file (4 processes, bf16): 3 ranks and a spare,
+    in bf16 (the bf16 reference differs from the fp32 one), and a killed worker replaced bit-exactly."""
+    job = _accelerate(tmp_path, processes=4, spares=1, faults="kill@rank=2,step=5,phase=reduce", config=CONFIG)
+    assert len(job.events("worker_started")) >= 4 and len(job.events("state_received")) == 1
+    assert_same_state(job, failure_free_bf16)
+    for rank in range(3):
         assert job.applied(rank) == list(range(STEPS)), f"rank {rank} applied {job.applied(rank)}"
 
 
