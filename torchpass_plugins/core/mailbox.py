@@ -107,21 +107,24 @@ class PredecessorMailbox:
     """The ring predecessor's mailbox, mapped here: read only when the predecessor was lost (or at a
     recovery, to say what could be rebuilt), when it no longer writes."""
 
-    def __init__(self, segment: SegmentId, nbytes: int) -> None:
+    def __init__(self, segment: SegmentId, nbytes: int = RESERVE) -> None:
         self._data = map_peer(segment, nbytes)  # OSError where this process cannot map it
         self._slots = self._data[:_DATA].view(torch.int64).view(SLOTS, _SLOT_FIELDS)
 
+    def _complete(self, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """A copy of the directory, and which of its slots hold a complete ``kind`` entry."""
+        table = self._slots.clone()
+        return table, (table[:, 0] > 0) & (table[:, 0] % 2 == 0) & (table[:, 1] == KINDS.index(kind))
+
     def steps(self, kind: str) -> set[int]:
         """The steps of the complete ``kind`` entries."""
-        table = self._slots.clone()
-        complete = (table[:, 0] > 0) & (table[:, 0] % 2 == 0) & (table[:, 1] == KINDS.index(kind))
+        table, complete = self._complete(kind)
         return set(table[complete, 2].tolist())
 
     def get(self, kind: str, step: int) -> Any | None:
         """The ``kind`` entry of ``step``, copied out; None if there is no complete one."""
-        table = self._slots.clone()
-        complete = (table[:, 0] > 0) & (table[:, 0] % 2 == 0)
-        found = (complete & (table[:, 1] == KINDS.index(kind)) & (table[:, 2] == step)).nonzero().flatten()
+        table, complete = self._complete(kind)
+        found = (complete & (table[:, 2] == step)).nonzero().flatten()
         if not found.numel():
             return None
         slot = int(found[0])

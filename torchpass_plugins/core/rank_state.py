@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from torchpass_plugins.core.mailbox import RESERVE, Mailbox, PredecessorMailbox
+from torchpass_plugins.core.mailbox import Mailbox, PredecessorMailbox
 from torchpass_plugins.core.peer_memory import NOT_MAPPED, SegmentId
 from torchpass_plugins.core.process_group import ReconfigurableGroup
 from torchpass_plugins.core.state_transfer import fields_of, first_buffer, frame, pack, structure_of, unpack
@@ -86,7 +86,7 @@ class RankStateRing:
         of a generation does both and settles whether each rank maps its predecessor's mailbox: it announces
         its own, and answers whether it mapped the one announced to it."""
         succ, pred = (transport.rank + 1) % transport.world_size, (transport.rank - 1) % transport.world_size
-        what, works, rest, theirs = f"rank state at the {kind}", [], None, first_buffer()
+        what, works, rest = f"rank state at the {kind}", [], None
         if state is not None:
             meta, payload = pack(state)
             mailbox = self._own_mailbox() if settle else None
@@ -94,6 +94,7 @@ class RankStateRing:
             first, rest = frame([step, meta.numel(), payload.numel(), *where], torch.cat([meta, payload]))
             works.append(transport.send([first], succ, _TAG))
         if receive:
+            theirs = first_buffer()
             works.append(transport.recv([theirs], pred, _TAG))
         transport.wait_all(works, what)
         works = [transport.send([rest], succ, _TAG)] if rest is not None else []
@@ -127,7 +128,7 @@ class RankStateRing:
         if not self._share or segment.pid < 0:
             return None
         try:
-            return PredecessorMailbox(segment, RESERVE)
+            return PredecessorMailbox(segment)
         except OSError:  # another host or PID namespace
             return None
 
@@ -141,7 +142,7 @@ class RankStateRing:
     def nbytes(self) -> int:
         """The host memory this rank holds for the ring's copies: those it received, and its mailbox (not the
         predecessor's that it maps: that memory is the predecessor's)."""
-        mailbox = self._mailbox.extent if self._mailbox is not None and self._mailbox.steps("vote") else 0
+        mailbox = self._mailbox.extent if self._mailbox is not None else 0
         return mailbox + sum(meta.numel() + payload.numel() for kept in self.copies.values()
                              for meta, payload in kept.values())
 

@@ -206,7 +206,6 @@ class Runtime(SignalVerbs):
     # -- step boundaries ---------------------------------------------------------------------------------
     def boundary(self, step: int) -> None:
         """Start of optimizer step ``step``: reseed, record the snapshot, hand over a deferred state."""
-        self._raise_if_recovery_failed()
         self.step, self.count, self.last_boundary = step, 0, step
         self.voted = -1
         if self.phase is Phase.ENTERING:
@@ -246,9 +245,8 @@ class Runtime(SignalVerbs):
 
     # -- recovery ----------------------------------------------------------------------------------------
     def recover(self, plan: RecoveryPlan, cause: str) -> Any:
-        """The recovery loop, one for every strategy (:meth:`_recover_loop`). An exception that ends it
-        ends this worker, and every later collective raises it again: a caller that swallows it (Lightning's
-        SIGTERM broadcast catches everything) must not go on training in a group it never rejoined."""
+        """The recovery loop, one for every strategy. An exception that ends it ends this worker: every later
+        collective raises it again (a caller may swallow it, as Lightning's SIGTERM check does)."""
         try:
             return self._recover_loop(plan, cause)
         except BaseException as exc:
@@ -260,9 +258,8 @@ class Runtime(SignalVerbs):
             raise self.failed_recovery
 
     def _recover_loop(self, plan: RecoveryPlan, cause: str) -> Any:
-        """Join the newest roster's group, gather every member's row, derive the plan's decision, exchange
-        state; a failure meanwhile starts over with the roster after it. Then the plan applies the decision
-        locally; returns what it returns."""
+        """Join the newest roster's group, gather every member's row, derive the plan's decision, exchange state
+        (a failure meanwhile starts over with the next roster); then the plan applies it and returns."""
         t0 = time.perf_counter()
         while True:
             self.report_stall(cause)

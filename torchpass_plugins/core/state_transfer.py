@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import json
 import pickle
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -184,11 +184,10 @@ def pack_plan(state: Any) -> tuple[torch.Tensor, int, list[tuple[int, torch.Tens
     return meta, size, [(r.offset, flat) for r, flat in tensors]
 
 
-def pack(state: Any, allocate: Callable[[int], torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Return (structure as uint8 pickle, all tensor bytes as one uint8 buffer); ``allocate(nbytes)`` gives
-    the buffer where it must be somewhere else than new memory."""
+def pack(state: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """Return (structure as uint8 pickle, all tensor bytes as one uint8 buffer)."""
     meta, size, sources = pack_plan(state)
-    payload = torch.empty(size, dtype=torch.uint8) if allocate is None else allocate(size)
+    payload = torch.empty(size, dtype=torch.uint8)
     for offset, flat in sources:
         payload[offset : offset + flat.numel()].copy_(flat)
     return meta, payload
