@@ -27,14 +27,14 @@ STEPS = 16  # 2 passes over 768 samples, 3 ranks x 16 per batch, 2 micro-batches
 
 
 def _accelerate(run_dir: Path, processes: int, spares: int, faults: str = "", precision: str = "no",
-                config: Path | None = None) -> Job:
+                config: Path | None = None, train_args: tuple[str, ...] = ()) -> Job:
     """``accelerate launch`` with these settings as flags, or (``config``) with those of a config file."""
     settings = (["--config_file", str(config)] if config is not None else
                 ["--multi_gpu", "--num_processes", str(processes), "--num_machines", "1", "--mixed_precision",
                  precision, "--dynamo_backend", "no"])
     cmd = [sys.executable, "-m", "accelerate.commands.launch", *settings, "--main_process_port", str(free_port()),
            "-m", "torchpass_plugins.run", "--spares", str(spares), "--run-dir", str(run_dir),
-           str(EXAMPLE), "--out", str(run_dir / "out")]  # fmt: skip
+           str(EXAMPLE), "--out", str(run_dir / "out"), *train_args]  # fmt: skip
     job, codes = run_command(run_dir, cmd, faults)
     assert codes == [0], job.output()[-4000:]
     assert job.leftovers() == []
@@ -77,6 +77,20 @@ def test_the_settings_of_an_accelerate_config_file_reach_the_job_unchanged(tmp_p
     assert_same_state(job, failure_free_bf16)
     for rank in range(3):
         assert job.applied(rank) == list(range(STEPS)), f"rank {rank} applied {job.applied(rank)}"
+
+
+def test_gradient_accumulation_set_for_accelerate_reaches_the_job_unchanged(tmp_path, monkeypatch):
+    """Accelerate's own setting, ``ACCELERATE_GRADIENT_ACCUMULATION_STEPS=4`` (over the script's 2), with the
+    config file: a kill between micro-batches, and every rank ends as the failure-free run with the
+    script's ``--accumulation 4`` (half as many optimizer steps as with 2)."""
+    expected = _accelerate(tmp_path / "failure-free", 3, 0, precision="bf16", train_args=("--accumulation", "4"))
+    monkeypatch.setenv("ACCELERATE_GRADIENT_ACCUMULATION_STEPS", "4")
+    job = _accelerate(tmp_path / "killed", processes=4, spares=1, faults="kill@rank=1,step=3,phase=data,micro=2",
+                      config=CONFIG)
+    assert [e["rank"] for e in job.events("failure_detected")] == [1]
+    assert_same_state(job, expected)
+    for rank in range(3):
+        assert job.applied(rank) == expected.applied(rank) == list(range(STEPS // 2)), f"rank {rank}"
 
 
 def assert_same_state(job: Job, expected: Job) -> None:

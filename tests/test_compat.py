@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import subprocess
 import sys
+import types
 from datetime import timedelta
 
 import lightning as L
@@ -27,6 +28,7 @@ from torchpass_plugins._compat.lightning import (
     rank_local_state,
     reopen_epoch_cut_by_fit_end,
     replays_a_batch_end,
+    resolve_auto_devices_to_active_ranks,
     restore_at_fit_start,
     restoring_a_checkpoint,
     rewind_loops,
@@ -34,6 +36,7 @@ from torchpass_plugins._compat.lightning import (
     wait_in_prepare_data,
 )
 from torchpass_plugins._compat.torch_distributed import carry_name, nccl_options
+from torchpass_plugins.errors import ConfigError
 from torchpass_plugins.testing.chaos.oracle import differences
 
 
@@ -280,3 +283,35 @@ def test_importing_torchpass_takes_no_process_wide_hook_and_registers_once_light
                             "from lightning.pytorch.strategies import StrategyRegistry\n"
                             "print('torchpass_fsdp' in StrategyRegistry)"], capture_output=True, text=True, timeout=120)
     assert after.stdout.strip() == "True", after.stdout + after.stderr
+
+
+@pytest.mark.parametrize(
+    ("devices", "strategy", "num_nodes", "expected"),
+    [("auto", "torchpass_ddp", 2, 3),  # 6 active ranks over 2 nodes
+     ("auto", types.SimpleNamespace(strategy_name="torchpass_fsdp"), 1, 6),  # a strategy object
+     (2, "torchpass_ddp", 3, 2),  # an explicit count stays (the strategy refuses a mismatch)
+     ("auto", "ddp", 1, 1)],  # Lightning's own strategies: Lightning's "auto" (one CPU device)
+)
+def test_devices_auto_with_a_torchpass_strategy_is_the_jobs_active_ranks_per_node(monkeypatch, devices, strategy,
+                                                                                 num_nodes, expected):
+    from lightning.pytorch.accelerators import CPUAccelerator
+    from lightning.pytorch.trainer.connectors.accelerator_connector import _AcceleratorConnector
+
+    monkeypatch.setattr(_AcceleratorConnector, "_set_devices_flag_if_auto_passed",
+                        _AcceleratorConnector._set_devices_flag_if_auto_passed)  # restored afterwards
+    resolve_auto_devices_to_active_ranks(6, ("torchpass_ddp", "torchpass_fsdp"))
+    connector = types.SimpleNamespace(_devices_flag=devices, _strategy_flag=strategy, _num_nodes_flag=num_nodes,
+                                      accelerator=CPUAccelerator())
+    _AcceleratorConnector._set_devices_flag_if_auto_passed(connector)
+    assert connector._devices_flag == expected
+
+
+def test_devices_auto_that_cannot_split_the_active_ranks_evenly_over_the_nodes_is_refused(monkeypatch):
+    from lightning.pytorch.trainer.connectors.accelerator_connector import _AcceleratorConnector
+
+    monkeypatch.setattr(_AcceleratorConnector, "_set_devices_flag_if_auto_passed",
+                        _AcceleratorConnector._set_devices_flag_if_auto_passed)
+    resolve_auto_devices_to_active_ranks(5, ("torchpass_ddp",))
+    connector = types.SimpleNamespace(_devices_flag="auto", _strategy_flag="torchpass_ddp", _num_nodes_flag=2)
+    with pytest.raises(ConfigError, match="cannot split the job's 5 active ranks evenly over num_nodes=2"):
+        _AcceleratorConnector._set_devices_flag_if_auto_passed(connector)

@@ -58,7 +58,7 @@ def _run_example(tmp_path: Path, faults: str = "") -> Job:
 
 
 @pytest.mark.timeout(400)
-def test_lightning_example_relaunches_itself_with_a_spare_and_survives_a_kill(tmp_path):
+def test_lightning_example_runs_each_job_under_torchpass_launch_with_a_spare_and_survives_a_kill(tmp_path):
     job = _run_example(tmp_path / "killed", "kill@rank=1,step=5")
     started = job.events("agent_started")[0]
     assert (started["slots"], started["spares"], started["world_size"]) == (3, 1, 2)  # devices 2 + 1 spare

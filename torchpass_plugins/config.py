@@ -98,7 +98,9 @@ class TorchPassConfig:
     enabled: bool = setting(True, "false: plain Lightning, no torchpass code on the path")
     mode: str = setting("ddp", "the strategy", choices=("ddp", "fsdp"))
     spares: int = setting(1, "workers that wait to replace failed ones (job-wide)", "--spares", launch_default=0)
-    run_dir: str = setting("torchpass_runs/latest", "where events.jsonl and the report go", "--run-dir")
+    run_dir: str = setting("torchpass_runs/latest", "where events.jsonl and the report go (under "
+                                                    "hydra/launcher=torchpass: the job's output directory)",
+                           "--run-dir")
     max_restarts: int = setting(3, "restarts of the whole job when a failure no spare can fix happens (it resumes "
                                    "from its newest snapshot); 0: stop instead", "--max-restarts")
     spare_wait_s: float = setting(20.0, "when more workers are lost than spares are free, seconds to wait for "
@@ -223,8 +225,9 @@ def settings(cls: type, prefix: str = "") -> Iterator[tuple[str, Field, type]]:
 
 
 def in_torchpass_worker() -> bool:
-    """Whether this process is a worker that ``torchpass launch`` (or its torchrun supervisor) started: a script
-    that launches itself trains when it is, and runs the launcher otherwise."""
+    """Whether this process is a worker that ``torchpass launch`` (or its torchrun supervisor) started: the Hydra
+    launcher's run callback hands a run to ``torchpass launch`` only when it is not, and an Accelerate loop is
+    protected only when it is."""
     from torchpass_plugins.control.worker_env import WorkerEnv
 
     return WorkerEnv.from_env() is not None

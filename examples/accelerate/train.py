@@ -100,8 +100,9 @@ def main() -> None:
     tp = TorchPass(seed=args.seed)  # before Accelerator(): joins the job (a spare waits here until it takes a rank)
     accelerator = Accelerator(gradient_accumulation_steps=args.accumulation, cpu=not torch.cuda.is_available(),
                               dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True))
-    # Accelerate steps a scheduler once per process per optimizer step
-    steps = args.epochs * len(loader) // args.accumulation
+    # Accelerate steps a scheduler once per process per optimizer step. The accumulation is Accelerate's, which
+    # ACCELERATE_GRADIENT_ACCUMULATION_STEPS sets over the script's argument.
+    steps = args.epochs * len(loader) // accelerator.gradient_accumulation_steps
     scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=1e-2, total_steps=steps)
     model, optimizer, loader, eval_loader, scheduler = accelerator.prepare(model, optimizer, loader, eval_loader,
                                                                           scheduler)

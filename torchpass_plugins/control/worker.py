@@ -75,13 +75,15 @@ def run_as_worker(argv: list[str]) -> int:
 
     Here, in a process torchpass started, and nowhere else (not on importing the package, not on building
     a strategy), torchpass takes the process-wide steps a worker needs: it registers the Lightning
-    strategy names before the script runs, an exception that escapes the script leaves through
-    :func:`_leave_on_uncaught` (whose exit code tells the agent what to do), and :func:`_close_at_exit`
-    runs at exit."""
+    strategy names before the script runs and makes their ``devices="auto"`` the job's active ranks, an
+    exception that escapes the script leaves through :func:`_leave_on_uncaught` (whose exit code tells the
+    agent what to do), and :func:`_close_at_exit` runs at exit."""
     global _exit_code
-    from torchpass_plugins import register_strategies
+    from torchpass_plugins import _STRATEGIES, register_strategies
+    from torchpass_plugins._compat.lightning import resolve_auto_devices_to_active_ranks
 
     register_strategies()
+    resolve_auto_devices_to_active_ranks(WorkerEnv.from_env().world_size, tuple(_STRATEGIES))
     atexit.register(_close_at_exit)
     try:
         faults.load()  # a malformed TORCHPASS_FAULTS stops the job here, before training

@@ -27,14 +27,21 @@ class TorchPassCallback(Callback):
     """Job-wide snapshots, and optionally another place for the workers' event log.
 
     The strategies work without it and log every phase of a recovery to ``RUN_DIR/events.jsonl`` (the
-    launcher's ``--run-dir``); ``run_dir`` sends the workers' events elsewhere. With ``snapshot_dir`` (any
-    fsspec URL) a snapshot of the full training state is written in the background every
-    ``snapshot_every_n_steps`` optimizer steps, the newest ``snapshot_keep`` are kept, and ``fit`` resumes
-    from the newest committed one automatically (unless ``ckpt_path`` is given). When a snapshot is due
-    while the previous one is still being written, ``snapshot_when_busy`` says whether to skip it or to
-    wait for the previous one. ``snapshot_timeout`` bounds how long a snapshot may take to land (every
-    rank's file written and the manifest committed): at the end of training, one still in flight after it is
-    abandoned and logged, so storage that hangs cannot hang the job (the previous snapshot stands).
+    launcher's ``--run-dir``). With ``snapshot_dir``, ``fit`` resumes from the newest committed snapshot
+    automatically (unless ``ckpt_path`` is given).
+
+    Args:
+        run_dir: where the workers' event log goes instead of the launcher's ``--run-dir``.
+        snapshot_dir: a path or fsspec URL; a snapshot of the full training state is written there in the
+            background, the fallback of last resort when more workers are lost than spares can replace.
+        snapshot_every_n_steps: write a snapshot every N optimizer steps (0: never).
+        snapshot_keep: how many of the newest snapshots are kept.
+        snapshot_when_busy: when a snapshot is due while the previous one is still being written, ``skip``
+            it or ``wait`` for the previous one.
+        snapshot_storage_options: fsspec options for ``snapshot_dir`` (credentials, endpoint).
+        snapshot_timeout: seconds a snapshot may take to land (every rank's file written and the manifest
+            committed). At the end of training, one still in flight after it is abandoned and logged, so
+            storage that hangs cannot hang the job; the previous snapshot stands.
     """
 
     def __init__(

@@ -56,7 +56,20 @@ from torchpass_plugins.testing import faults
 
 
 class TorchPassDDPStrategy(RecoverableCollectives, ParallelStrategy):
-    """Data parallel with hot spares. Use ``strategy="torchpass_ddp"`` under ``torchpass launch``."""
+    """Data parallel with hot spares. Use ``strategy="torchpass_ddp"`` under ``torchpass launch``.
+
+    Args:
+        accelerator: the Trainer's accelerator, which fills it in.
+        parallel_devices: this node's devices of the active ranks; the Trainer fills them in from ``devices``
+            (under ``torchpass launch``, ``devices="auto"`` is the job's active ranks per node).
+        checkpoint_io: how checkpoints are written, as in Lightning's ``DDPStrategy``.
+        precision_plugin: the Trainer's precision plugin, which fills it in.
+        cluster_environment: the job's ranks; ``TorchPassEnvironment`` unless given.
+        timeout: seconds (or a ``timedelta``) a collective may wait for the other ranks before the ranks
+            treat it as a failure; the job's ``timeouts.collective_s`` unless given.
+        bucket_cap_mb: the size of the gradient buckets reduced while backward still runs.
+        process_group_backend: the backend of the CUDA tensors' group (``nccl`` unless given), as Lightning.
+    """
 
     strategy_name = "torchpass_ddp"
 

@@ -60,6 +60,8 @@ StateFilter = Callable[[str, nn.Parameter], bool]
 class TorchPassFSDPStrategy(LoggedCommit, ShardedCheckpoints, PoisonedCollectives, TorchPassDDPStrategy):
     """Fully sharded data parallel with hot spares. Use ``strategy="torchpass_fsdp"`` under ``torchpass launch``.
 
+    Its other arguments are ``TorchPassDDPStrategy``'s.
+
     Args:
         auto_wrap_policy: module classes to shard as units, or a parameter count from which a module is
             its own unit; ``None`` makes each direct child of the LightningModule one unit. Ignored when the
@@ -69,8 +71,10 @@ class TorchPassFSDPStrategy(LoggedCommit, ShardedCheckpoints, PoisonedCollective
             longer replay and the successor more memory, never a rollback.
         state_filter: model-aware mode: ``(name, param) -> bool`` selects the parameters whose shard state
             is replicated and handed over; the others are assumed unchanged since the spare built them.
-        reshard_after_forward, mp_policy, offload_policy: passed to ``fully_shard`` when given; left out,
-            FSDP2's defaults hold, as under Lightning's ``ModelParallelStrategy``.
+        reshard_after_forward: passed to ``fully_shard`` when given; left out, FSDP2's default holds, as
+            under Lightning's ``ModelParallelStrategy``.
+        mp_policy: FSDP2's mixed precision policy, passed to ``fully_shard`` when given.
+        offload_policy: FSDP2's offload policy, passed to ``fully_shard`` when given.
         process_group_backend: the backend of the CUDA tensors' group (``nccl`` unless given), as Lightning.
     """
 
