@@ -40,7 +40,7 @@ def _env(faults: str = "") -> dict[str, str]:
 
 def _run_example(tmp_path: Path, faults: str = "") -> Job:
     tmp_path.mkdir(parents=True, exist_ok=True)
-    run_dir = tmp_path / "run"  # hydra.run.dir, and torchpass.run_dir by interpolation
+    run_dir = tmp_path / "run"  # hydra.run.dir: also the torchpass run directory
     log = tmp_path / "example.log"
     with open(log, "wb") as out:
         proc = subprocess.Popen([sys.executable, str(EXAMPLE), "torchpass=ddp", *SMOKE, f"hydra.run.dir={run_dir}",

@@ -42,7 +42,7 @@ def from_flags(ns: argparse.Namespace, cls: type) -> object:
 def add_job_flags(p: argparse.ArgumentParser) -> None:
     """The flags of a job's supervision, shared by ``torchpass launch`` and ``python -m torchpass_plugins.run``."""
     add_setting_flags(p, TorchPassConfig)
-    p.add_argument("script", help="training script (or -m module)")
+    p.add_argument("script", help="training script (a module: -- -m module)")
     p.add_argument("args", nargs=argparse.REMAINDER)
 
 
