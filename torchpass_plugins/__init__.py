@@ -23,6 +23,8 @@ _EXPORTS = {
     "TorchPassFSDPStrategy": "torchpass_plugins.integrations.lightning",
     "TorchPassEnvironment": "torchpass_plugins.integrations.lightning.environment",
     "TorchPass": "torchpass_plugins.integrations.accelerate.loop",
+    "WeightPublisher": "torchpass_plugins.weights",
+    "WeightSubscriber": "torchpass_plugins.weights",
 }
 __all__ = [*_EXPORTS, "__version__", "register_strategies"]
 

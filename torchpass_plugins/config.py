@@ -56,6 +56,17 @@ class SnapshotConfig:
 
 
 @dataclass
+class WeightsConfig:
+    """Versions of the weights for processes outside the job (rollout replicas, evaluators), served by
+    logical rank 0; subscribers prove the token in ``TORCHPASS_WEIGHTS_TOKEN``."""
+
+    publish: Optional[str] = setting(None, "tcp://HOST:PORT to serve them at; None: not published")
+    every_n_steps: int = setting(1, "a version every N optimizer steps (and the last one)")
+    dtype: Optional[str] = setting(None, "cast floating tensors as they are published (null: as trained)",
+                                   choices=(None, "bfloat16", "float16"))
+
+
+@dataclass
 class HealthSettings:
     """The agent's device health watch."""
 
@@ -113,6 +124,7 @@ class TorchPassConfig:
                                                          "share a GPU)", choices=(None, "gloo", "nccl"))
     replication: ReplicationConfig = field(default_factory=ReplicationConfig)
     snapshots: SnapshotConfig = field(default_factory=SnapshotConfig)
+    weights: WeightsConfig = field(default_factory=WeightsConfig)
     health: HealthSettings = field(default_factory=HealthSettings)
     stragglers: StragglerConfig = field(default_factory=StragglerConfig)
     timeouts: TimeoutConfig = field(default_factory=TimeoutConfig)
@@ -137,6 +149,8 @@ class TorchPassConfig:
                 bad(key, _get(self, key), "an integer >= 0" if isinstance(_get(self, key), int) else "a number >= 0")
         if self.snapshots.keep < 1:
             bad("snapshots.keep", self.snapshots.keep, "an integer >= 1")
+        if self.weights.every_n_steps < 1:
+            bad("weights.every_n_steps", self.weights.every_n_steps, "an integer >= 1")
         if self.snapshots.every_n_steps and not self.snapshots.dir:
             bad("snapshots.dir", self.snapshots.dir, "a path or fsspec URL when snapshots.every_n_steps > 0")
         if self.stragglers.factor <= 1:
@@ -210,7 +224,8 @@ STRATEGIES = {
 CALLBACK = ("torchpass_plugins.TorchPassCallback",
             {"snapshot_dir": "snapshots.dir", "snapshot_every_n_steps": "snapshots.every_n_steps",
              "snapshot_keep": "snapshots.keep", "snapshot_when_busy": "snapshots.when_busy",
-             "snapshot_timeout": "snapshots.timeout_s"})
+             "snapshot_timeout": "snapshots.timeout_s", "publish_weights": "weights.publish",
+             "publish_every_n_steps": "weights.every_n_steps", "publish_dtype": "weights.dtype"})
 
 
 def settings(cls: type, prefix: str = "") -> Iterator[tuple[str, Field, type]]:

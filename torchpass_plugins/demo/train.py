@@ -185,6 +185,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--snapshot-every", type=int, default=0, help="snapshot every N optimizer steps")
     p.add_argument("--snapshot-when-busy", choices=["skip", "wait"], default="skip")
     p.add_argument("--snapshot-timeout", type=float, default=600.0, help="the longest a snapshot may take to land")
+    p.add_argument("--publish-weights", default=None, help="serve versions of the weights at tcp://HOST:PORT")
+    p.add_argument("--publish-every", type=int, default=1, help="a version every N optimizer steps")
     args = p.parse_args(argv)
 
     L.seed_everything(7)
@@ -219,7 +221,9 @@ def main(argv: list[str] | None = None) -> None:
         accumulate_grad_batches=args.accumulate,
         callbacks=[TorchPassCallback(snapshot_dir=args.snapshot_dir, snapshot_every_n_steps=args.snapshot_every,
                                      snapshot_when_busy=args.snapshot_when_busy,
-                                     snapshot_timeout=args.snapshot_timeout)],
+                                     snapshot_timeout=args.snapshot_timeout,
+                                     publish_weights=args.publish_weights,
+                                     publish_every_n_steps=args.publish_every)],
         enable_checkpointing=False,
         logger=False,
         enable_progress_bar=args.progress,

@@ -19,7 +19,8 @@ Phases of a training step: ``boundary`` (start of the step), ``data`` (before a 
 backward), ``reduce`` (gradient all-reduce issued, not yet complete), ``commit`` (reduced, not yet
 committed), ``optimizer`` (the optimizer has applied the committed update; Lightning's step bookkeeping has
 not run yet). Background work: ``replicate`` (``torchpass_fsdp``'s ring replication thread, its shard packed,
-before the exchange), ``snapshot`` (the snapshot thread, before this rank's file is written); these threads
+before the exchange), ``snapshot`` (the snapshot thread, before this rank's file is written), ``publish`` (a
+weights publisher's thread, half-way through sending a version to a subscriber); these threads
 run at boundaries the job chooses, so for them ``step`` means the first one at or after it. A recovery:
 ``survivor`` (a survivor joined the new group, before the agreement), ``donor`` (before sending state to a
 spare), ``promoted`` (a promoted spare, before receiving its state); for these, ``step`` is the boundary the
@@ -42,7 +43,7 @@ from torchpass_plugins.errors import ConfigError
 
 ACTIONS = ("kill", "exit", "raise", "stop", "spin", "stall", "slow", "kill-agent")
 STEP_PHASES = ("boundary", "data", "forward", "backward", "reduce", "commit", "optimizer")
-BACKGROUND_PHASES = ("replicate", "snapshot")
+BACKGROUND_PHASES = ("replicate", "snapshot", "publish")
 RECOVERY_PHASES = ("survivor", "donor", "promoted")
 USER_PHASES = ("collective",)
 PHASES = STEP_PHASES + BACKGROUND_PHASES + RECOVERY_PHASES + USER_PHASES

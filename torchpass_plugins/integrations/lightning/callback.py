@@ -15,6 +15,7 @@ from typing_extensions import override
 from torchpass_plugins._compat.lightning import restoring_a_checkpoint
 from torchpass_plugins.core.interfaces import Phase
 from torchpass_plugins.errors import ConfigError
+from torchpass_plugins.integrations.lightning.publishing import RankZeroPublishing
 from torchpass_plugins.integrations.lightning.state_parts import ResumedSnapshot
 from torchpass_plugins.observe.events import EventLog
 from torchpass_plugins.storage.snapshot_store import Manifest, SnapshotStore, model_fingerprint
@@ -42,6 +43,11 @@ class TorchPassCallback(Callback):
         snapshot_timeout: seconds a snapshot may take to land (every rank's file written and the manifest
             committed). At the end of training, one still in flight after it is abandoned and logged, so
             storage that hangs cannot hang the job; the previous snapshot stands.
+        publish_weights: ``tcp://HOST:PORT`` where logical rank 0 serves versions of the weights to
+            ``WeightSubscriber`` processes outside the job (rollout replicas), with the token in
+            ``TORCHPASS_WEIGHTS_TOKEN``; the training loop pays only the copy into host memory.
+        publish_every_n_steps: a version every N optimizer steps, numbered by the step, and the last one.
+        publish_dtype: ``bfloat16`` or ``float16`` casts floating tensors as they are published.
     """
 
     def __init__(
@@ -53,6 +59,9 @@ class TorchPassCallback(Callback):
         snapshot_when_busy: WhenBusy = "skip",
         snapshot_storage_options: dict[str, Any] | None = None,
         snapshot_timeout: float = 600.0,
+        publish_weights: str | None = None,
+        publish_every_n_steps: int = 1,
+        publish_dtype: str | None = None,
     ) -> None:
         if snapshot_every_n_steps < 0 or snapshot_keep < 1 or snapshot_timeout <= 0:
             raise ConfigError(
@@ -70,6 +79,8 @@ class TorchPassCallback(Callback):
         self.snapshot_when_busy = snapshot_when_busy
         self.snapshot_storage_options = snapshot_storage_options
         self.snapshot_timeout = snapshot_timeout
+        self.publishing = (RankZeroPublishing(publish_weights, publish_every_n_steps, publish_dtype)
+                           if publish_weights else None)
         self.runtime = None
         self.writer: AsyncSnapshotWriter | None = None
         self._last_snapshot = 0  # step of the newest snapshot started or resumed from
@@ -84,6 +95,11 @@ class TorchPassCallback(Callback):
     # -- resume ---------------------------------------------------------------------------------------------
     @override
     def setup(self, trainer, pl_module, stage: str) -> None:
+        if stage == "fit" and self.publishing is not None:
+            if self.runtime is None:
+                raise ConfigError("torchpass: publish_weights needs strategy='torchpass_ddp' under `torchpass "
+                                  f"launch` (got {type(trainer.strategy).__name__})")
+            self.publishing.check(trainer.strategy)
         if stage != "fit" or not self.snapshot_dir:
             return
         strategy = trainer.strategy
@@ -142,14 +158,16 @@ class TorchPassCallback(Callback):
                   + (f" ({len(refused)} newer one(s) refused as corrupted)" if refused else ""),
                   file=sys.stderr, flush=True)
 
-    # -- snapshots --------------------------------------------------------------------------------------------
+    # -- at step boundaries: snapshots, published weights ------------------------------------------------------
     @override
     def on_train_batch_start(self, trainer, pl_module, batch: Any, batch_idx: int) -> None:
+        if (trainer.fit_loop.epoch_loop.batch_progress.current.ready - 1) % trainer.accumulate_grad_batches:
+            return  # not the step's first micro-batch
+        if self.publishing is not None:
+            self.publishing.at_boundary(trainer, pl_module, self.runtime.events)
         every, step = self.snapshot_every_n_steps, trainer.global_step
         if self.writer is None or not every or step % every or step <= self._last_snapshot:
             return
-        if (trainer.fit_loop.epoch_loop.batch_progress.current.ready - 1) % trainer.accumulate_grad_batches:
-            return  # not the step's first micro-batch
         self._last_snapshot = step
         t0 = time.perf_counter()
         state, stable = trainer.strategy.snapshot_state()  # on every rank: Lightning's save hooks run on all
@@ -166,6 +184,8 @@ class TorchPassCallback(Callback):
 
     @override
     def on_train_end(self, trainer, pl_module) -> None:
+        if self.publishing is not None:
+            self.publishing.at_end(trainer, pl_module, self.runtime.events)
         if self.writer is not None and not self.writer.close(timeout=self.snapshot_timeout):
             self.runtime.events.emit("snapshot_failed", rank=trainer.global_rank, step=self._last_snapshot,
                                      error=f"still in flight {self.snapshot_timeout:g} s after training ended: "

@@ -1,0 +1,241 @@
+"""Publishing weights to processes outside the job: versions arrive whole (checked against what was
+published, bit for bit), in order, newest first; a subscriber that reads slowly holds only its own copy; a
+subscriber killed in the middle of a version, and a publisher killed in the middle of one, leave nothing
+torn behind; a late subscriber gets the newest version; a wrong token is refused."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+from jobs import Job, free_port, run
+
+from torchpass_plugins.testing.chaos.oracle import differences
+from torchpass_plugins.weights import TokenRefused, WeightPublisher, WeightSubscriber, wire
+
+TOKEN = "test-weights-token"
+pytestmark = pytest.mark.timeout(120)
+
+
+def _state(version: int, width: int = 256) -> dict[str, torch.Tensor]:
+    """A state dict whose every value says which version it is."""
+    generator = torch.Generator().manual_seed(version)
+    return {"layer.weight": torch.randn(width, width, generator=generator), "layer.bias": torch.full((width,), version),
+            "steps": torch.tensor(version, dtype=torch.int64)}
+
+
+def _assert_is(state: dict[str, torch.Tensor], version: int) -> None:
+    expected = _state(version, state["layer.weight"].shape[0])
+    assert state.keys() == expected.keys()
+    for name, tensor in expected.items():
+        assert torch.equal(state[name], tensor), f"{name} of version {version} differs from what was published"
+
+
+def test_versions_arrive_whole_in_order_and_a_late_subscriber_gets_the_newest():
+    received: list[int] = []
+    with WeightPublisher("tcp://127.0.0.1:0", token=TOKEN) as publisher:
+        publisher.publish(_state(0), 0)
+        subscriber = WeightSubscriber(publisher.endpoint, token=TOKEN)
+
+        def follow() -> None:
+            version, state = subscriber.latest(timeout=30)
+            while True:
+                _assert_is(state, version)
+                received.append(version)
+                if version == 40:
+                    return
+                version, state = subscriber.wait_newer(version, timeout=30)
+
+        follower = threading.Thread(target=follow)
+        follower.start()
+        for version in range(1, 40):  # some may be skipped (every copy in use): the follower skips them too
+            publisher.publish(_state(version), version)
+        assert not publisher.publish(_state(40), 40, wait=True).skipped
+        follower.join(timeout=60)
+        assert received[-1] == 40 and received == sorted(set(received))  # newest last, each once, in order
+        late = WeightSubscriber(publisher.endpoint, token=TOKEN)
+        version, state = late.latest(timeout=30)
+        assert version == 40
+        _assert_is(state, 40)
+        with pytest.raises(ValueError, match="not newer"):
+            publisher.publish(_state(7), 7)
+
+
+def test_a_slow_subscriber_holds_only_its_own_copy_and_then_skips_to_the_newest():
+    with WeightPublisher("tcp://127.0.0.1:0", token=TOKEN, copies=3) as publisher:
+        publisher.publish(_state(0, 1024), 0)
+        slow = _RawSubscriber(publisher.endpoint)
+        version, entries, nbytes, crc = slow.ask(have=-1)
+        slow.read(nbytes // 4)  # and stops reading: the publisher's send of version 0 is stuck mid-way
+        for version in range(1, 30):  # none of these waits for it, and none is skipped
+            assert not publisher.publish(_state(version, 1024), version).skipped
+        buffer = slow.read_rest()
+        assert wire.checksum(buffer) == crc  # version 0, whole, although 29 newer ones were published meanwhile
+        _assert_is({e.name: wire.view(buffer, e) for e in entries}, 0)
+        version, entries, nbytes, crc = slow.ask(have=0)
+        assert version == 29  # the newest, not version 1
+        slow.close()
+
+
+def test_a_subscriber_killed_in_the_middle_of_a_version_costs_the_others_nothing(tmp_path):
+    with WeightPublisher("tcp://127.0.0.1:0", token=TOKEN, copies=2) as publisher:
+        publisher.publish(_state(0, 4096), 0)  # 64 MiB: more than the sockets buffer, so the send is cut off
+        child = subprocess.run([sys.executable, "-c", _KILLED_MID_RECEIVE, publisher.endpoint, TOKEN],
+                               capture_output=True, text=True, timeout=60)
+        assert child.returncode == -signal.SIGKILL, child.stderr
+        for version in (1, 2, 3):  # with 2 copies, these wait for ever unless the killed subscriber's is freed
+            assert not publisher.publish(_state(version, 1024), version, wait=True).skipped
+        version, state = WeightSubscriber(publisher.endpoint, token=TOKEN).wait_newer(2, timeout=30)
+        assert version == 3
+        _assert_is(state, 3)
+
+
+def test_a_publisher_killed_mid_version_is_never_seen_torn_and_its_successor_serves_the_same_endpoint(tmp_path):
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    env = {**os.environ, wire.TOKEN_VARIABLE: TOKEN, "TORCHPASS_FAULTS": "kill@phase=publish"}
+    first = subprocess.Popen([sys.executable, "-c", _PUBLISHER, endpoint, "5"], cwd=tmp_path, env=env)
+    successor: list[subprocess.Popen] = []
+
+    def replace_when_lost() -> None:
+        first.wait(timeout=60)
+        env.pop("TORCHPASS_FAULTS")
+        successor.append(subprocess.Popen([sys.executable, "-c", _PUBLISHER, endpoint, "5"], cwd=tmp_path, env=env))
+
+    replacer = threading.Thread(target=replace_when_lost)
+    replacer.start()
+    try:
+        subscriber = WeightSubscriber(endpoint, token=TOKEN, retry_s=0.05)
+        version, state = subscriber.latest(timeout=60)  # the first one dies half-way through sending it
+        replacer.join(timeout=60)
+        assert first.returncode == -signal.SIGKILL
+        assert version == 5
+        _assert_is(state, 5)
+    finally:
+        for process in (first, *successor):
+            process.kill()
+            process.wait()
+
+
+def test_a_wrong_token_is_refused_with_a_clear_error_and_the_right_one_still_served():
+    with WeightPublisher("tcp://127.0.0.1:0", token=TOKEN) as publisher:
+        publisher.publish(_state(0), 0)
+        with pytest.raises(TokenRefused, match="refused the token"):
+            WeightSubscriber(publisher.endpoint, token="not-the-token").latest(timeout=10)
+        assert WeightSubscriber(publisher.endpoint, token=TOKEN).latest(timeout=10)[0] == 0
+
+
+def test_a_model_is_loaded_in_place_and_a_cast_publication_halves_the_bytes():
+    model = torch.nn.Linear(64, 64)
+    with WeightPublisher("tcp://127.0.0.1:0", token=TOKEN, dtype=torch.bfloat16) as publisher:
+        publication = publisher.publish(model, 0)
+        assert publication.nbytes < sum(t.numel() * 4 for t in model.state_dict().values()) * 0.6
+        replica = torch.nn.Linear(64, 64)
+        weight = replica.weight
+        assert WeightSubscriber(publisher.endpoint, token=TOKEN).load_into(replica, timeout=10) == 0
+        assert replica.weight is weight  # in place
+        assert torch.equal(replica.weight, model.weight.to(torch.bfloat16).float())
+
+
+class _RawSubscriber:
+    """The wire protocol by hand, to stop reading in the middle of a version."""
+
+    def __init__(self, endpoint: str) -> None:
+        import socket
+
+        self.sock = socket.create_connection(wire.address(endpoint))
+        self.lines = wire.Lines(self.sock)
+        nonce = self.lines.receive()["nonce"]
+        self.lines.send({"answer": wire.answer(TOKEN.encode(), nonce)})
+        assert self.lines.receive() == {"ok": True}
+        self.buffer = memoryview(b"")
+        self.done = 0
+
+    def ask(self, have: int):
+        self.lines.send({"have": have, "wait": 10})
+        version, entries, nbytes, crc = wire.parse_header(self.lines.receive())
+        self.tensor = torch.empty(nbytes, dtype=torch.uint8)
+        self.buffer, self.done = memoryview(self.tensor.numpy()), 0
+        return version, entries, nbytes, crc
+
+    def read(self, n: int) -> None:
+        self.lines.receive_into(self.buffer[self.done:self.done + n])
+        self.done += n
+
+    def read_rest(self) -> torch.Tensor:
+        self.read(len(self.buffer) - self.done)
+        return self.tensor
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+_KILLED_MID_RECEIVE = textwrap.dedent("""
+    import os, signal, socket, sys
+    from torchpass_plugins.weights import wire
+    lines = wire.Lines(socket.create_connection(wire.address(sys.argv[1])))
+    lines.send({"answer": wire.answer(sys.argv[2].encode(), lines.receive()["nonce"])})
+    lines.receive()
+    lines.send({"have": -1, "wait": 10})
+    nbytes = lines.receive()["nbytes"]
+    lines.receive_into(memoryview(bytearray(nbytes // 3)))
+    os.kill(os.getpid(), signal.SIGKILL)
+""")
+_PUBLISHER = textwrap.dedent(f"""
+    import sys, time
+    sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r})
+    from test_weights import _state
+    from torchpass_plugins.weights import WeightPublisher
+    publisher = WeightPublisher(sys.argv[1])
+    publisher.publish(_state(int(sys.argv[2]), 1024), int(sys.argv[2]))
+    time.sleep(60)
+""")
+
+
+FOLLOWER = Path(__file__).parent / "scripts" / "weights_follower.py"
+JOB_STEPS = 12
+
+
+def _job_with_a_follower(run_dir: Path, nproc: int, spares: int, faults: str = "") -> tuple[Job, dict[int, str]]:
+    """The demo job publishing every step to a follower process; what the follower received."""
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    received = run_dir / "received.txt"
+    run_dir.mkdir(parents=True)
+    follower = subprocess.Popen([sys.executable, str(FOLLOWER), endpoint, str(received), "--final", str(JOB_STEPS)])
+    try:
+        job, codes = run(run_dir / "job", nproc=nproc, spares=spares, faults=faults,
+                         train_args=("--max-steps", str(JOB_STEPS), "--publish-weights", endpoint))
+        assert codes == [0], job.output()[-3000:]
+        follower.wait(timeout=60)
+    finally:
+        follower.kill()
+        follower.wait()
+    lines = [line.split() for line in received.read_text().splitlines()] if received.exists() else []
+    versions = [int(version) for version, _ in lines]
+    assert versions == sorted(set(versions)) and versions, f"versions out of order or none: {versions}"
+    return job, {int(version): digest for version, digest in lines}
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.xdist_group("weights-jobs")
+def test_logical_rank_0_killed_mid_publication_is_replaced_and_the_versions_go_on_whole(tmp_path, monkeypatch):
+    monkeypatch.setenv(wire.TOKEN_VARIABLE, TOKEN)
+    reference, published = _job_with_a_follower(tmp_path / "failure-free", nproc=3, spares=0)
+    job, received = _job_with_a_follower(tmp_path / "killed", nproc=4, spares=1,
+                                         faults="kill@rank=0,step=5,phase=publish")
+    [failure] = job.events("failure_detected")
+    assert (failure["rank"], failure["code"]) == (0, -9)
+    after = [e["version"] for e in job.events("weights_published") if e["time"] > failure["time"]]
+    assert after and max(received) >= JOB_STEPS - 1  # the spare that took rank 0 over went on publishing
+    for version, digest in received.items():  # every version received is the failure-free run's, bit for bit
+        assert digest == published.get(version, digest), f"version {version} differs from the failure-free run's"
+    assert set(received) & set(published), "no version received in both runs"
+    for rank in range(3):  # publishing changes nothing of the training
+        assert job.applied(rank) == reference.applied(rank) == list(range(JOB_STEPS))
+        assert differences(reference.state(rank), job.state(rank)) == [], f"rank {rank}"

@@ -1,0 +1,61 @@
+"""Weights published by logical rank 0, whichever process holds it: the job's first one, or a spare that
+took the rank over, even in the middle of a publication."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from torchpass_plugins.errors import ConfigError
+from torchpass_plugins.weights import WeightPublisher, wire
+
+DTYPES = {None: None, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class RankZeroPublishing:
+    """A version at every ``every_n_steps``-th step boundary (the weights after that many optimizer steps),
+    numbered by the step, and the last one at the end of training. A process starts its publisher when it
+    first publishes as rank 0, so a spare that takes rank 0 over publishes the version of the boundary it
+    enters at: a version its predecessor was cut off in the middle of reaches the subscribers whole. (One
+    its predecessor had finished is sent again only to subscribers that had not received it.)"""
+
+    def __init__(self, endpoint: str, every_n_steps: int, dtype: str | None) -> None:
+        if every_n_steps < 1 or dtype not in DTYPES:
+            raise ConfigError(f"torchpass: publish_every_n_steps={every_n_steps} must be >= 1 and publish_dtype="
+                              f"{dtype!r} one of {', '.join(map(repr, DTYPES))}")
+        wire.address(endpoint)  # a malformed endpoint is refused before training
+        self.endpoint, self.every_n_steps, self.dtype = endpoint, every_n_steps, DTYPES[dtype]
+        self.publisher: WeightPublisher | None = None
+        self._last = -1
+
+    def check(self, strategy: Any) -> None:
+        """Before training, on every rank (each may come to hold rank 0): what publishing needs."""
+        if getattr(strategy, "strategy_name", None) == "torchpass_fsdp":
+            raise ConfigError("torchpass: publish_weights with torchpass_fsdp is not supported yet (a rank holds "
+                              "a shard, not the weights); publish from torchpass_ddp")
+        try:
+            wire.token_or_env(None)
+        except ValueError as exc:
+            raise ConfigError(f"torchpass: {exc}") from None
+
+    def at_boundary(self, trainer: Any, module: torch.nn.Module, events: Any) -> None:
+        step = trainer.global_step
+        if trainer.global_rank == 0 and step % self.every_n_steps == 0:
+            self._publish(module, step, events, wait=False)
+
+    def at_end(self, trainer: Any, module: torch.nn.Module, events: Any) -> None:
+        if trainer.global_rank == 0:
+            self._publish(module, trainer.global_step, events, wait=True)  # the trained weights, not skipped
+
+    def _publish(self, module: torch.nn.Module, step: int, events: Any, wait: bool) -> None:
+        if step <= self._last:
+            return
+        if self.publisher is None:
+            self.publisher = WeightPublisher(self.endpoint, dtype=self.dtype, events=events)
+        self._last = step
+        self.publisher.publish(module.state_dict(), step, wait=wait)
+
+    def close(self) -> None:
+        if self.publisher is not None:
+            self.publisher.close()

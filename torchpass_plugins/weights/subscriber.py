@@ -1,0 +1,118 @@
+"""``WeightSubscriber``: the newest weights a ``WeightPublisher`` serves, each version whole or not at all.
+
+Every version arrives in a buffer of its own and is handed out only after its checksum matches, so a
+connection cut in the middle (the publisher's process lost, a link down) leaves nothing half-written: the
+subscriber reconnects, to the same endpoint, and asks again for a version newer than the one it has.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+
+import torch
+
+from torchpass_plugins.observe.events import EventLog
+from torchpass_plugins.weights import wire
+
+
+class TokenRefused(PermissionError):
+    """The publisher refused this subscriber's token (retrying would not help)."""
+
+
+class WeightSubscriber:
+    """Receives versions from ``endpoint`` (``tcp://HOST:PORT``), proving ``token`` (or
+    ``TORCHPASS_WEIGHTS_TOKEN``). ``retry_s``: the pause between attempts to reach a publisher that is not
+    there (yet, or any more: a trainer rank being replaced)."""
+
+    def __init__(self, endpoint: str, token: str | None = None, retry_s: float = 0.2,
+                 events: EventLog | None = None) -> None:
+        self._address = wire.address(endpoint)
+        self._token = wire.token_or_env(token)
+        self._retry_s = retry_s
+        self._lines: wire.Lines | None = None
+        self.events = events or EventLog(None)
+        self.version: int | None = None  # the newest version received
+        self.discarded = 0  # versions cut off or corrupt on the way, dropped and asked for again
+
+    def latest(self, timeout: float | None = None) -> tuple[int, dict[str, torch.Tensor]]:
+        """The newest version the publisher has (waiting up to ``timeout`` seconds for a first one)."""
+        return self._receive_newer(-1, timeout)
+
+    def wait_newer(self, version: int, timeout: float | None = None) -> tuple[int, dict[str, torch.Tensor]]:
+        """The newest version newer than ``version``, as soon as there is one; ``TimeoutError`` after
+        ``timeout`` seconds without one."""
+        return self._receive_newer(version, timeout)
+
+    def load_into(self, model: torch.nn.Module, timeout: float | None = None) -> int:
+        """Copy a version newer than the last one received (the first: the newest) into ``model``'s
+        parameters and buffers, in place; returns its number."""
+        version, state = self._receive_newer(-1 if self.version is None else self.version, timeout)
+        model.load_state_dict(state)
+        return version
+
+    def _receive_newer(self, have: int, timeout: float | None) -> tuple[int, dict[str, torch.Tensor]]:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            left = 3600.0 if deadline is None else deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"no weights version newer than {have} within {timeout} s")
+            try:
+                lines = self._connected()
+                lines.send({"have": have, "wait": min(left, 5.0)})  # short waits: a lost publisher shows soon
+                record = lines.receive()
+                if record.get("version") is None:
+                    continue
+                started = time.perf_counter()
+                version, entries, nbytes, crc = wire.parse_header(record)
+                buffer = torch.empty(nbytes, dtype=torch.uint8)
+                lines.receive_into(memoryview(buffer.numpy()))
+                if wire.checksum(buffer) != crc:
+                    self.discarded += 1
+                    self._disconnect()
+                    continue
+            except TokenRefused:
+                raise
+            except (OSError, ConnectionError, ValueError):
+                self._disconnect()
+                time.sleep(self._retry_s)
+                continue
+            self.version = version
+            self.events.emit("weights_received", version=version, bytes=nbytes,
+                             seconds=time.perf_counter() - started)
+            return version, {e.name: wire.view(buffer, e) for e in entries}
+
+    def _connected(self) -> wire.Lines:
+        if self._lines is None:
+            sock = socket.create_connection(self._address, timeout=30.0)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            lines = wire.Lines(sock)
+            try:
+                hello = lines.receive()
+                if hello.get("hello") != wire.MAGIC:
+                    raise ConnectionError(f"not a torchpass weights publisher: {hello}")
+                lines.send({"answer": wire.answer(self._token, hello["nonce"])})
+                reply = lines.receive()
+            except BaseException:
+                sock.close()
+                raise
+            if "error" in reply:
+                sock.close()
+                raise TokenRefused(f"{reply['error']} at tcp://{self._address[0]}:{self._address[1]}: both sides "
+                                   f"need the same token (token= or {wire.TOKEN_VARIABLE})")
+            self._lines = lines
+        return self._lines
+
+    def _disconnect(self) -> None:
+        if self._lines is not None:
+            self._lines.sock.close()
+            self._lines = None
+
+    def close(self) -> None:
+        self._disconnect()
+
+    def __enter__(self) -> WeightSubscriber:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
