@@ -142,6 +142,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--save-every", type=int, default=0, help="trainer.save_checkpoint every N steps (0: off)")
     p.add_argument("--async-io", action="store_true", help="with --save-every: Lightning's AsyncCheckpointIO")
     p.add_argument("--save-weights", action="store_true", help="write OUT/weights_rank{r}.pt at the end")
+    p.add_argument("--publish-weights", default=None, help="torchpass: publish the weights every step at this URL")
     args = p.parse_args(argv)
     if args.pin:
         pin_to_core()
@@ -156,7 +157,8 @@ def main(argv: list[str] | None = None) -> None:
         import torchpass_plugins  # registers the names; a spare blocks in the Trainer until promoted
 
         callbacks.append(torchpass_plugins.TorchPassCallback(
-            snapshot_dir=args.snapshot_dir, snapshot_every_n_steps=args.save_every if args.snapshot_dir else 0))
+            snapshot_dir=args.snapshot_dir, snapshot_every_n_steps=args.save_every if args.snapshot_dir else 0,
+            publish_weights=args.publish_weights))
         if args.strategy == "torchpass_fsdp":
             strategy = torchpass_plugins.TorchPassFSDPStrategy(
                 auto_wrap_policy={nn.Linear}, replicate_every_n_steps=args.replicate_every

@@ -239,3 +239,16 @@ def test_logical_rank_0_killed_mid_publication_is_replaced_and_the_versions_go_o
     for rank in range(3):  # publishing changes nothing of the training
         assert job.applied(rank) == reference.applied(rank) == list(range(JOB_STEPS))
         assert differences(reference.state(rank), job.state(rank)) == [], f"rank {rank}"
+
+
+def test_a_publisher_whose_port_is_still_held_serves_as_soon_as_it_is_let_go():
+    import socket
+
+    held = socket.create_server(("127.0.0.1", 0))  # the process a migrated rank 0 takes over from, still there
+    endpoint = f"tcp://127.0.0.1:{held.getsockname()[1]}"
+    with WeightPublisher(endpoint, token=TOKEN) as publisher:
+        publisher.publish(_state(3), 3)  # kept meanwhile
+        threading.Timer(0.5, held.close).start()
+        version, state = WeightSubscriber(endpoint, token=TOKEN, retry_s=0.05).latest(timeout=30)
+        assert version == 3
+        _assert_is(state, 3)

@@ -75,9 +75,17 @@ class WeightPublisher:
         self._last_version = -1
         self.events = events or EventLog(None)
         self.served = _Served()
-        host, port = wire.address(endpoint)
-        self._listener = socket.create_server((host, port), reuse_port=False, backlog=64)
-        self.endpoint = f"tcp://{host}:{self._listener.getsockname()[1]}"
+        self._address = wire.address(endpoint)
+        self._listener: socket.socket | None = None
+        try:
+            self._listener = socket.create_server(self._address, backlog=64)
+        except OSError:
+            if self._address[1] == 0:
+                raise
+            # The port is still held, by the process this one takes over from (a planned migration): the
+            # accept thread binds it as soon as that process lets go; publications are kept meanwhile.
+        port = self._listener.getsockname()[1] if self._listener is not None else self._address[1]
+        self.endpoint = f"tcp://{self._address[0]}:{port}"
         self._threads = [threading.Thread(target=self._finish_loop, name="weights-finish", daemon=True),
                          threading.Thread(target=self._accept_loop, name="weights-accept", daemon=True)]
         for thread in self._threads:
@@ -142,6 +150,11 @@ class WeightPublisher:
                              stall_s=copy.stall_s)
 
     def _accept_loop(self) -> None:
+        while self._listener is None and not self._closed:
+            try:
+                self._listener = socket.create_server(self._address, backlog=64)
+            except OSError:
+                time.sleep(0.2)
         while not self._closed:
             try:
                 sock, _ = self._listener.accept()
@@ -201,7 +214,8 @@ class WeightPublisher:
             self._closed = True
             self._changed.notify_all()
         self._finishing.put(None)
-        self._listener.close()
+        if self._listener is not None:
+            self._listener.close()
         for thread in self._threads:
             thread.join(timeout=5.0)
 

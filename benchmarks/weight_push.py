@@ -1,0 +1,247 @@
+"""Publishing weights to rollout replicas: what it costs the trainer, how fast a version arrives, and how
+stale the replicas are.
+
+- *Stall*: ``torchpass_ddp`` on ``STEADY_RANKS`` pinned ranks publishing every step to two follower
+  processes, against the same job without publishing, runs alternating. Per publication, the training
+  loop's stall (the ``stall_s`` of each ``weights_published`` event: the copy into host memory) over the
+  median step time of the job without publishing; and the two jobs' median step times side by side, which
+  also carry what the background checksum and sends take from the cores.
+- *Staleness*: in those jobs, for each version a follower received, how many newer versions rank 0 had
+  published by then (a follower that falls behind skips to the newest).
+- *Latency*: in one process, the time from ``publish`` to a subscriber process holding the version whole
+  (copy, checksum, send, receive, checksum), against a raw copy of the same bytes into host memory and a
+  raw send to a process that receives them into a buffer, the same transfer without versions or checks.
+
+Run ``python benchmarks/weight_push.py`` (full) or ``--smoke`` (tiny, checks the pipeline only).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from _harness import (
+    STEADY_NOTE,
+    STEADY_RANKS,
+    MLPSize,
+    RunFailed,
+    bench_args,
+    command_line,
+    free_port,
+    fresh_work_root,
+    in_turn,
+    install_cleanup,
+    machine,
+    machine_lines,
+    median_ci,
+    publish,
+    read_events,
+    read_steps,
+    run_bounded,
+    tail,
+    torchpass_cmd,
+    worker_env,
+)
+
+from torchpass_plugins.observe.events import EventLog
+from torchpass_plugins.weights import WeightPublisher, WeightSubscriber, wire
+
+TOKEN = "weight-push-benchmark"
+FOLLOWERS = 2
+
+
+@dataclass(frozen=True)
+class Size(MLPSize):
+    name: str
+    steps: int
+    warmup: int
+
+
+SIZES = (Size(features=1024, hidden=1024, depth=4, classes=10, batch_size=64, reps=3, timeout_s=600, name="small",
+              steps=60, warmup=10),
+         Size(features=1024, hidden=4096, depth=7, classes=10, batch_size=64, reps=3, timeout_s=900, name="~105M",
+              steps=16, warmup=4))
+SMOKE = (Size(features=32, hidden=64, depth=2, classes=4, batch_size=8, reps=1, timeout_s=240, name="tiny", steps=12,
+              warmup=4),)
+
+
+@dataclass
+class Job:
+    step_ms: float
+    stall_ms: list[float]
+    staleness: list[int]
+    published: int
+    received: int
+
+
+def train(size: Size, work: Path, publishing: bool) -> Job:
+    out, run_dir = work / "out", work / "run"
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    args = ["--strategy", "torchpass_ddp", "--devices", str(STEADY_RANKS), "--max-steps", str(size.steps),
+            *size.model_args(), "--out", str(out), "--pin", *(["--publish-weights", endpoint] if publishing else [])]
+    env = {**worker_env(steady=True), wire.TOKEN_VARIABLE: TOKEN}
+    followers = [subprocess.Popen([sys.executable, __file__, "_follow", endpoint, str(run_dir / "events.jsonl"),
+                                   str(i)], env=env) for i in range(FOLLOWERS if publishing else 0)]
+    try:
+        code = run_bounded(torchpass_cmd(STEADY_RANKS, 0, run_dir, args), env, size.timeout_s, work / "launcher.log")
+    finally:
+        for follower in followers:
+            follower.kill()
+            follower.wait()
+    if code != 0:
+        raise RunFailed(f"{size.name} publishing={publishing}: launcher exited {code}\n{tail(work / 'launcher.log')}")
+    perf = {step: p for step, _, p, _ in read_steps(out).get(0, [])}
+    if len(perf) != size.steps:
+        raise RunFailed(f"rank 0 recorded {len(perf)} steps, expected {size.steps}")
+    step_ms = statistics.median((perf[k] - perf[k - 1]) * 1e3 for k in range(size.warmup + 1, size.steps))
+    events = read_events(run_dir)
+    published = sorted((e["time"], e["version"]) for e in events if e["event"] == "weights_published")
+    received = [(e["time"], e["version"]) for e in events if e["event"] == "weights_received"]
+    staleness = [max(v for t, v in published if t <= when) - version for when, version in received]
+    stall_ms = [e["stall_s"] * 1e3 for e in events if e["event"] == "weights_published" and e["version"] > size.warmup]
+    if publishing and (not stall_ms or not received):
+        raise RunFailed(f"{size.name}: {len(stall_ms)} publications, {len(received)} receptions")
+    return Job(step_ms, stall_ms, staleness, len(published), len(received))
+
+
+def follow(endpoint: str, events: str, index: str) -> None:
+    """A follower: receive newer versions until the publisher is gone (its job ended)."""
+    subscriber = WeightSubscriber(endpoint, token=TOKEN, retry_s=0.05, events=EventLog(events, f"replica{index}"))
+    version = -1
+    while True:
+        try:
+            version, _ = subscriber.wait_newer(version, timeout=120 if version < 0 else 10)
+        except TimeoutError:
+            return
+
+
+def latency(nbytes: int, reps: int) -> tuple[list[float], list[float]]:
+    """Seconds from ``publish`` to a subscriber process holding the version whole, and from the start of a raw
+    copy to a raw receiver holding the same bytes; ``reps`` of each, in turn."""
+    source = {"weights": torch.randn(nbytes // 4)}
+    receiver = subprocess.Popen([sys.executable, __file__, "_receive_raw"], stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, text=True)
+    port = int(receiver.stdout.readline())
+    raw_sock = socket.create_connection(("127.0.0.1", port))
+    staging = torch.empty(nbytes, dtype=torch.uint8)
+    published, raw = [], []
+    with WeightPublisher("tcp://127.0.0.1:0", token=TOKEN) as publisher:
+        subscriber = subprocess.Popen([sys.executable, __file__, "_subscribe", publisher.endpoint],
+                                      stdout=subprocess.PIPE, text=True)
+        try:
+            for version in range(reps + 1):  # version 0 warms both paths up
+                assert subscriber.stdout.readline().strip() == f"waiting {version - 1}"
+                started = time.monotonic()
+                publisher.publish(source, version)
+                done = float(subscriber.stdout.readline())
+                started_raw = time.monotonic()
+                staging.copy_(source["weights"].view(torch.uint8))
+                raw_sock.sendall(nbytes.to_bytes(8, "little"))
+                raw_sock.sendall(memoryview(staging.numpy()))
+                done_raw = float(receiver.stdout.readline())
+                if version:
+                    published.append(done - started)
+                    raw.append(done_raw - started_raw)
+        finally:
+            subscriber.kill()
+            raw_sock.close()
+            receiver.kill()
+    return published, raw
+
+
+def subscribe(endpoint: str) -> None:
+    subscriber = WeightSubscriber(endpoint, token=TOKEN)
+    version = -1
+    while True:
+        print(f"waiting {version}", flush=True)
+        version, _ = subscriber.wait_newer(version, timeout=120)
+        print(time.monotonic(), flush=True)
+
+
+def receive_raw() -> None:
+    listener = socket.create_server(("127.0.0.1", 0))
+    print(listener.getsockname()[1], flush=True)
+    sock, _ = listener.accept()
+    lines = wire.Lines(sock)
+    while True:
+        size = bytearray(8)
+        lines.receive_into(memoryview(size))
+        buffer = torch.empty(int.from_bytes(size, "little"), dtype=torch.uint8)
+        lines.receive_into(memoryview(buffer.numpy()))
+        print(time.monotonic(), flush=True)
+
+
+def render(sizes: tuple[Size, ...], jobs: dict[str, dict[bool, list[Job]]], latencies: dict[str, tuple], smoke: bool,
+           info: dict[str, str]) -> str:
+    lines = [f"## Publishing weights (`benchmarks/weight_push.py{' --smoke' if smoke else ''}`)", "",
+             *machine_lines(info, command_line()), "",
+             f"`torchpass_ddp` on {STEADY_RANKS} pinned ranks publishing every step to {FOLLOWERS} follower "
+             "processes, against the same job without publishing, runs alternating. Stall: per publication, "
+             "the copy into host memory the training loop waits for, over the median step time of the job "
+             "without publishing. Staleness: for each version a follower received, how many newer ones rank 0 "
+             "had published by then. " + STEADY_NOTE, "",
+             "| Model | Weights | Step, publishing / not (95% interval) | Stall / step (median, max) | "
+             "Staleness in versions (median, max) | Versions received / published |", "|---|---|---|---|---|---|"]
+    for size in sizes:
+        on, off = jobs[size.name][True], jobs[size.name][False]
+        ratio, low, high = median_ci([a.step_ms / b.step_ms for a, b in zip(on, off, strict=True)])
+        step_off = statistics.median(j.step_ms for j in off)
+        stalls = [s / step_off for j in on for s in j.stall_ms]
+        stale = [s for j in on for s in j.staleness]
+        lines.append(f"| {size.name} | {size.params * 4 / 1e6:.0f} MB | **{ratio:.3f}** ({low:.3f}-{high:.3f}) | "
+                     f"{statistics.median(stalls):.2%}, {max(stalls):.2%} | {statistics.median(stale):.0f}, "
+                     f"{max(stale)} | {sum(j.received for j in on)} / {sum(j.published for j in on) * FOLLOWERS} |")
+    lines += ["", "Latency: from `publish` to a subscriber process holding the version whole, against a raw copy "
+              "of the same bytes into host memory and a raw TCP send to a process receiving them into a buffer "
+              "(median of the repetitions; ratio: raw / publication, 1 = as fast as the raw transfer).", "",
+              "| Bytes | Publication (ms) | Raw copy + send (ms) | Raw / publication |", "|---|---|---|---|"]
+    for name, (nbytes, published, raw) in latencies.items():
+        pub_ms, raw_ms = statistics.median(published) * 1e3, statistics.median(raw) * 1e3
+        lines.append(f"| {name}: {nbytes / 1e6:.0f} MB | {pub_ms:.1f} | {raw_ms:.1f} | **{raw_ms / pub_ms:.2f}** |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    roles = {"_follow": follow, "_subscribe": subscribe, "_receive_raw": receive_raw}
+    if argv and argv[0] in roles:
+        roles[argv[0]](*argv[1:])
+        return 0
+    args = bench_args(__doc__, argv)
+    install_cleanup()
+    sizes = SMOKE if args.smoke else SIZES
+    info = machine()
+    work_root = fresh_work_root("weights", args.smoke)
+    jobs: dict[str, dict[bool, list[Job]]] = {s.name: {True: [], False: []} for s in sizes}
+    latencies = {}
+    for size in sizes:
+        reps = args.reps or size.reps
+        for rep in range(reps):
+            for publishing in in_turn((True, False), rep):
+                print(f"[weights] {size.name} rep {rep} publishing={publishing} ...", flush=True)
+                jobs[size.name][publishing].append(
+                    train(size, work_root / f"{size.name}-rep{rep}-{'on' if publishing else 'off'}", publishing))
+                print(f"[weights] {asdict(jobs[size.name][publishing][-1]) | {'stall_ms': '...', 'staleness': '...'}}",
+                      flush=True)
+        nbytes = size.params * 4
+        published, raw = latency(nbytes, 3 if args.smoke else 10)
+        latencies[size.name] = (nbytes, published, raw)
+        print(f"[weights] {size.name} latency: publication {statistics.median(published) * 1e3:.1f} ms, raw "
+              f"{statistics.median(raw) * 1e3:.1f} ms", flush=True)
+    body = render(sizes, jobs, latencies, args.smoke, info)
+    raw_results = {"machine": info, "jobs": {k: {str(p): [asdict(j) for j in v] for p, v in d.items()}
+                                             for k, d in jobs.items()}, "latency_s": latencies}
+    publish("weights", args.doc, body, work_root, raw_results)
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault(wire.TOKEN_VARIABLE, TOKEN)
+    sys.exit(main())
