@@ -28,13 +28,13 @@ from torchpass_plugins._compat.lightning import (
     rank_local_state,
     reopen_epoch_cut_by_fit_end,
     replays_a_batch_end,
-    resolve_auto_devices_to_active_ranks,
     restore_at_fit_start,
     restoring_a_checkpoint,
     rewind_loops,
     users_sampler,
     wait_in_prepare_data,
 )
+from torchpass_plugins._compat.lightning_trainer import resolve_auto_devices_to_active_ranks
 from torchpass_plugins._compat.torch_distributed import carry_name, nccl_options
 from torchpass_plugins.errors import ConfigError
 from torchpass_plugins.testing.chaos.oracle import differences

@@ -157,3 +157,20 @@ def test_ctrl_c_during_a_sweep_stops_the_sweep_not_only_its_job(tmp_path):
     time.sleep(1)
     assert not (tmp_path / "sweep" / "1").exists()  # and the next job never started
     assert first.leftovers() == [] and supervisor.leftovers() == []
+
+
+@pytest.mark.timeout(200)
+def test_a_job_that_cannot_go_on_stops_once_although_hydras_main_catches_every_error(tmp_path):
+    # One active rank: a kill leaves no peer with its state. The worker raises Unrecoverable, which Hydra's
+    # main catches and exits 1 on; the job must still stop with the reason (no restart allowed), not hand
+    # the rank to one spare after another.
+    supervisor = _start(tmp_path, ["trainer.devices=1", "torchpass.max_restarts=0",
+                                   f"hydra.run.dir={tmp_path / 'run'}"], "kill@rank=0,step=3")
+    job = Job(tmp_path / "run")
+    try:
+        assert supervisor.wait(timeout=150) != [0]
+    finally:
+        supervisor.kill()
+    assert len(job.events("failure_detected")) <= 2
+    assert "every rank lost its state at once" in job.output() + supervisor.output()
+    assert supervisor.leftovers() == [] and job.leftovers() == []

@@ -21,21 +21,27 @@ CLI = Path(__file__).parent / "scripts" / "cli_app.py"
 STEPS = 10
 FIT = ("fit", "--trainer.strategy=torchpass_ddp", "--trainer.callbacks+=torchpass_plugins.TorchPassCallback",
        "--trainer.devices=auto",  # the job's active ranks: the count is written once, on the command line
-       f"--trainer.max_steps={STEPS}", "--trainer.accumulate_grad_batches=2", "--trainer.logger=false",
-       "--trainer.enable_checkpointing=false", "--trainer.enable_progress_bar=false")
+       f"--trainer.max_steps={STEPS}", "--trainer.accumulate_grad_batches=2", "--trainer.enable_progress_bar=false")
+# (Lightning's default logger and ModelCheckpoint stay on: their directory is rank 0's, whoever holds it.)
 
 
 @pytest.mark.timeout(400)
 @pytest.mark.xdist_group("lightning-cli")
 def test_lightning_cli_under_torchpass_launch_replaces_a_killed_rank_0_bit_exactly(tmp_path):
-    failure_free, codes = run(tmp_path / "failure-free", nproc=3, spares=0, script=CLI, train_args=FIT)
+    failure_free, codes = run(tmp_path / "failure-free", nproc=3, spares=0, script=CLI,
+                              train_args=(*FIT, f"--trainer.default_root_dir={tmp_path / 'failure-free' / 'root'}"))
     assert codes == [0], failure_free.output()[-3000:]
-    job, codes = run(tmp_path / "killed", nproc=4, spares=1, script=CLI, train_args=FIT,
-                     faults="kill@rank=0,step=4,phase=backward")
+    root = tmp_path / "killed" / "root"
+    job, codes = run(tmp_path / "killed", nproc=4, spares=1, script=CLI, train_args=(
+        *FIT, f"--trainer.default_root_dir={root}"), faults="kill@rank=0,step=4,phase=backward")
     assert codes == [0], job.output()[-3000:]
     assert job.leftovers() == []
     assert [(e["rank"], e["code"]) for e in job.events("failure_detected")] == [(0, -9)]
     assert list(next(e for e in job.events("roster_published") if e["gen"] == 1)["promoted"].values()) == [0]
+    # the spare that took rank 0 over logged and checkpointed into the run's one directory
+    assert [p.name for p in (root / "lightning_logs").iterdir()] == ["version_0"]
+    assert [p.name for p in (root / "lightning_logs" / "version_0" / "checkpoints").iterdir()] == [
+        f"epoch=0-step={STEPS}.ckpt"]
     for rank in range(3):  # devices="auto" made 3 active ranks of 4 processes with 1 spare
         assert job.applied(rank) == failure_free.applied(rank) == list(range(STEPS)), f"rank {rank}"
         assert differences(job.state(rank), failure_free.state(rank)) == [], f"rank {rank}"

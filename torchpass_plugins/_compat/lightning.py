@@ -11,8 +11,7 @@ nested dicts of tensors and plain values (so it travels like any other state), a
 
 Also: what Lightning's own strategies use without a public name (moving optimizer state to a device,
 rebuilding a ``DataLoader`` around another sampler), the sampler wrapper, the restarted epoch loop, the
-layer sync, the prepare-data barrier, the checkpoint connector and the loops' progress, and where the
-Trainer resolves ``devices="auto"``.
+layer sync, the prepare-data barrier, the checkpoint connector and the loops' progress.
 """
 
 from __future__ import annotations
@@ -204,36 +203,6 @@ def apply_layer_sync(strategy: Any, model: Any) -> Any:
     if type(strategy._layer_sync) is TorchSyncBatchNorm:
         strategy._layer_sync = TorchPassSyncBatchNorm()
     return strategy._layer_sync.apply(model)
-
-
-def resolve_auto_devices_to_active_ranks(active_ranks: int, strategy_names: tuple[str, ...]) -> None:
-    """Make ``Trainer(devices="auto")`` with a torchpass strategy mean this job's active ranks per node.
-
-    Lightning resolves "auto" to the accelerator's device count (1 on a CPU; every GPU of the node,
-    including those of the spares) in ``_AcceleratorConnector._set_devices_flag_if_auto_passed``, before
-    any strategy exists, and the strategy then refuses the mismatch. Under ``torchpass launch`` the active
-    ranks are known from the start, so the count written once on the command line (processes minus
-    spares) is the count the Trainer uses. Any other strategy, and an explicit ``devices``, are untouched."""
-    from lightning.pytorch.trainer.connectors.accelerator_connector import _AcceleratorConnector
-
-    lightnings = _AcceleratorConnector._set_devices_flag_if_auto_passed
-    if getattr(lightnings, "resolves_to_active_ranks", False):
-        return
-
-    def set_devices_flag_if_auto_passed(connector: _AcceleratorConnector) -> None:
-        flag = connector._strategy_flag
-        if connector._devices_flag != "auto" or getattr(flag, "strategy_name", flag) not in strategy_names:
-            return lightnings(connector)
-        per_node, left_over = divmod(active_ranks, connector._num_nodes_flag)
-        if left_over:
-            raise ConfigError(
-                f"torchpass: devices='auto' cannot split the job's {active_ranks} active ranks evenly over "
-                f"num_nodes={connector._num_nodes_flag}; set devices (active ranks per node) explicitly"
-            )
-        connector._devices_flag = per_node
-
-    set_devices_flag_if_auto_passed.resolves_to_active_ranks = True
-    _AcceleratorConnector._set_devices_flag_if_auto_passed = set_devices_flag_if_auto_passed
 
 
 def refuse_unsupported(trainer: Any) -> None:

@@ -71,6 +71,11 @@ def abort_request_key(worker_id: str) -> str:
     return f"abort_request/{worker_id}"
 
 
+def logger_version_key(index: int) -> str:
+    """The version (run directory) of the Trainer's ``index``-th logger, as the job's rank 0 chose it."""
+    return f"logger_version/{index}"
+
+
 def heartbeat_key(worker_id: str) -> str:
     return f"hb/{worker_id}"
 

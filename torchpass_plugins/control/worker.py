@@ -80,7 +80,7 @@ def run_as_worker(argv: list[str]) -> int:
     agent what to do), and :func:`_close_at_exit` runs at exit."""
     global _exit_code
     from torchpass_plugins import _STRATEGIES, register_strategies
-    from torchpass_plugins._compat.lightning import resolve_auto_devices_to_active_ranks
+    from torchpass_plugins._compat.lightning_trainer import resolve_auto_devices_to_active_ranks
 
     register_strategies()
     resolve_auto_devices_to_active_ranks(WorkerEnv.from_env().world_size, tuple(_STRATEGIES))
@@ -97,7 +97,10 @@ def run_as_worker(argv: list[str]) -> int:
         _exit_code = 0
     except SystemExit as exc:
         _exit_code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-        if not isinstance(exc.code, int | None):
+        caught = exc.__context__  # what the script's framework caught, printed and exited on (Hydra's main)
+        if _exit_code and isinstance(caught, Exception):
+            _leave_on_uncaught(type(caught), caught, caught.__traceback__)
+        elif not isinstance(exc.code, int | None):
             print(exc.code, file=sys.stderr)
     except BaseException:
         _exit_code = 1
@@ -117,14 +120,15 @@ def _close_at_exit() -> None:
 
 
 def _leave_on_uncaught(exc_type, exc, tb) -> None:
-    """An exception escaped the worker's script. A ``ConfigError`` exits with ``ExitCode.CONFIG_ERROR``, which
-    makes the agent stop the whole job with the message instead of handing the same mistake to a spare. An
-    ``Unrecoverable`` state hands its message to the coordinator, which stops the job with it (or restarts
-    it from its newest snapshot). A promoted spare whose error before its first completed step is the one
-    its rank's previous spare had stops the job like a configuration error (a crash loop otherwise). A
-    ``JobAborted`` leaves quietly: the agent prints the coordinator's message once for the whole job. Any
-    other error is printed by ``sys.excepthook`` (the interpreter's, or the script's own) and the worker
-    exits with 1."""
+    """An exception escaped the worker's script, or the script's framework caught it and exited non-zero
+    while handling it (Hydra's ``@hydra.main`` does), which must end the same way. A ``ConfigError`` exits
+    with ``ExitCode.CONFIG_ERROR``, which makes the agent stop the whole job with the message instead of
+    handing the same mistake to a spare. An ``Unrecoverable`` state hands its message to the coordinator,
+    which stops the job with it (or restarts it from its newest snapshot). A promoted spare whose error
+    before its first completed step is the one its rank's previous spare had stops the job like a
+    configuration error (a crash loop otherwise). A ``JobAborted`` leaves quietly: the agent prints the
+    coordinator's message once for the whole job. Any other error is printed by ``sys.excepthook`` (the
+    interpreter's, or the script's own) and the worker exits with 1."""
     sys.stderr = sys.__stderr__  # the last word goes to the log, even if a library left stderr redirected
     if issubclass(exc_type, JobAborted) and _RUNTIME is not None:
         _RUNTIME.before_abort_exit()

@@ -30,6 +30,7 @@ from torchpass_plugins._compat.lightning import (
     refuse_unsupported,
     wait_in_prepare_data,
 )
+from torchpass_plugins._compat.lightning_trainer import keep_logger_versions
 from torchpass_plugins.core import default_group
 from torchpass_plugins.core.backends import communicate_on, slot_gpu
 from torchpass_plugins.core.buffer_sync import BufferSync
@@ -151,6 +152,7 @@ class TorchPassDDPStrategy(RecoverableCollectives, ParallelStrategy):
             if isinstance(callback, TorchPassCallback):
                 callback.attach(rt)
         rt.events.emit("worker_ready", worker=rt.env.worker_id, rank=rt.rank, spare=rt.is_spare)
+        keep_logger_versions(self.lightning_module.trainer, rt.member.store, starting=not rt.is_spare)
         self._end_even_if_skipped()
         self._connect()
         wait_in_prepare_data(self.lightning_module.trainer, self._wait_for_all)
