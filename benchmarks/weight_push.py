@@ -2,10 +2,11 @@
 stale the replicas are.
 
 - *Stall*: ``torchpass_ddp`` on ``STEADY_RANKS`` pinned ranks publishing every step to two follower
-  processes, against the same job without publishing, runs alternating. Per publication, the training
-  loop's stall (the ``stall_s`` of each ``weights_published`` event: the copy into host memory) over the
-  median step time of the job without publishing; and the two jobs' median step times side by side, which
-  also carry what the background checksum and sends take from the cores.
+  processes, publishing to none, and not publishing, runs alternating. Per publication, the training
+  loop's stall (the ``stall_s`` of each ``weights_published`` event: starting the copy into host memory
+  and its fence before the optimizer step) over the median step time of the job without publishing; and
+  the jobs' median step times side by side, which also carry what the background copy, the sends and the
+  followers themselves take from the machine's cores.
 - *Staleness*: in those jobs, for each version a follower received, how many newer versions rank 0 had
   published by then (a follower that falls behind skips to the newest).
 - *Latency*: in one process, the time from ``publish`` to a subscriber process holding the version whole
@@ -81,22 +82,26 @@ class Job:
     received: int
 
 
-def train(size: Size, work: Path, publishing: bool) -> Job:
+CONTENDERS = (FOLLOWERS, 0, None)  # followers of a job that publishes; None: it does not publish
+
+
+def train(size: Size, work: Path, followers: int | None) -> Job:
     out, run_dir = work / "out", work / "run"
     endpoint = f"tcp://127.0.0.1:{free_port()}"
     args = ["--strategy", "torchpass_ddp", "--devices", str(STEADY_RANKS), "--max-steps", str(size.steps),
-            *size.model_args(), "--out", str(out), "--pin", *(["--publish-weights", endpoint] if publishing else [])]
+            *size.model_args(), "--out", str(out), "--pin",
+            *(["--publish-weights", endpoint] if followers is not None else [])]
     env = {**worker_env(steady=True), wire.TOKEN_VARIABLE: TOKEN}
-    followers = [subprocess.Popen([sys.executable, __file__, "_follow", endpoint, str(run_dir / "events.jsonl"),
-                                   str(i)], env=env) for i in range(FOLLOWERS if publishing else 0)]
+    replicas = [subprocess.Popen([sys.executable, __file__, "_follow", endpoint, str(run_dir / "events.jsonl"),
+                                   str(i)], env=env) for i in range(followers or 0)]
     try:
         code = run_bounded(torchpass_cmd(STEADY_RANKS, 0, run_dir, args), env, size.timeout_s, work / "launcher.log")
     finally:
-        for follower in followers:
-            follower.kill()
-            follower.wait()
+        for replica in replicas:
+            replica.kill()
+            replica.wait()
     if code != 0:
-        raise RunFailed(f"{size.name} publishing={publishing}: launcher exited {code}\n{tail(work / 'launcher.log')}")
+        raise RunFailed(f"{size.name} followers={followers}: launcher exited {code}\n{tail(work / 'launcher.log')}")
     perf = {step: p for step, _, p, _ in read_steps(out).get(0, [])}
     if len(perf) != size.steps:
         raise RunFailed(f"rank 0 recorded {len(perf)} steps, expected {size.steps}")
@@ -106,7 +111,7 @@ def train(size: Size, work: Path, publishing: bool) -> Job:
     received = [(e["time"], e["version"]) for e in events if e["event"] == "weights_received"]
     staleness = [max(v for t, v in published if t <= when) - version for when, version in received]
     stall_ms = [e["stall_s"] * 1e3 for e in events if e["event"] == "weights_published" and e["version"] > size.warmup]
-    if publishing and (not stall_ms or not received):
+    if followers is not None and (not stall_ms or (followers and not received)):
         raise RunFailed(f"{size.name}: {len(stall_ms)} publications, {len(received)} receptions")
     return Job(step_ms, stall_ms, staleness, len(published), len(received))
 
@@ -178,26 +183,33 @@ def receive_raw() -> None:
         print(time.monotonic(), flush=True)
 
 
-def render(sizes: tuple[Size, ...], jobs: dict[str, dict[bool, list[Job]]], latencies: dict[str, tuple], smoke: bool,
-           info: dict[str, str]) -> str:
+def render(sizes: tuple[Size, ...], jobs: dict[str, dict[int | None, list[Job]]], latencies: dict[str, tuple],
+           smoke: bool, info: dict[str, str]) -> str:
     lines = [f"## Publishing weights (`benchmarks/weight_push.py{' --smoke' if smoke else ''}`)", "",
              *machine_lines(info, command_line()), "",
              f"`torchpass_ddp` on {STEADY_RANKS} pinned ranks publishing every step to {FOLLOWERS} follower "
-             "processes, against the same job without publishing, runs alternating. Stall: per publication, "
-             "the copy into host memory the training loop waits for, over the median step time of the job "
-             "without publishing. Staleness: for each version a follower received, how many newer ones rank 0 "
-             "had published by then. " + STEADY_NOTE, "",
-             "| Model | Weights | Step, publishing / not (95% interval) | Stall / step (median, max) | "
-             "Staleness in versions (median, max) | Versions received / published |", "|---|---|---|---|---|---|"]
+             "processes on the same machine, publishing to none, and not publishing, runs alternating. Stall: "
+             "per publication, what the training loop waits for (starting the copy into host memory, and its "
+             "fence before the optimizer step), over the median step time of the job without publishing. Step "
+             "ratios: median step times side by side, which also carry what the background copy, the sends and "
+             "the followers themselves take from the machine's cores. Staleness: for each version a follower "
+             "received, how many newer ones rank 0 had published by then. " + STEADY_NOTE, "",
+             "| Model | Weights | Stall / step (median, max) | Step, publishing to none / not (95% interval) | "
+             f"Step, publishing to {FOLLOWERS} / not | Staleness in versions (median, max) | Versions received / "
+             "published |", "|---|---|---|---|---|---|---|"]
     for size in sizes:
-        on, off = jobs[size.name][True], jobs[size.name][False]
-        ratio, low, high = median_ci([a.step_ms / b.step_ms for a, b in zip(on, off, strict=True)])
+        runs = jobs[size.name]
+        off = runs[None]
         step_off = statistics.median(j.step_ms for j in off)
-        stalls = [s / step_off for j in on for s in j.stall_ms]
-        stale = [s for j in on for s in j.staleness]
-        lines.append(f"| {size.name} | {size.params * 4 / 1e6:.0f} MB | **{ratio:.3f}** ({low:.3f}-{high:.3f}) | "
-                     f"{statistics.median(stalls):.2%}, {max(stalls):.2%} | {statistics.median(stale):.0f}, "
-                     f"{max(stale)} | {sum(j.received for j in on)} / {sum(j.published for j in on) * FOLLOWERS} |")
+        stalls = [s / step_off for followers in (FOLLOWERS, 0) for j in runs[followers] for s in j.stall_ms]
+        ratios = {f: median_ci([a.step_ms / b.step_ms for a, b in zip(runs[f], off, strict=True)])
+                  for f in (FOLLOWERS, 0)}
+        stale = [s for j in runs[FOLLOWERS] for s in j.staleness]
+        cells = [f"**{r:.3f}** ({lo:.3f}-{hi:.3f})" for r, lo, hi in (ratios[0], ratios[FOLLOWERS])]
+        lines.append(f"| {size.name} | {size.params * 4 / 1e6:.0f} MB | {statistics.median(stalls):.2%}, "
+                     f"{max(stalls):.2%} | {cells[0]} | {cells[1]} | {statistics.median(stale):.0f}, {max(stale)} | "
+                     f"{sum(j.received for j in runs[FOLLOWERS])} / "
+                     f"{sum(j.published for j in runs[FOLLOWERS]) * FOLLOWERS} |")
     lines += ["", "Latency: from `publish` to a subscriber process holding the version whole, against a raw copy "
               "of the same bytes into host memory and a raw TCP send to a process receiving them into a buffer "
               "(median of the repetitions; ratio: raw / publication, 1 = as fast as the raw transfer).", "",
@@ -219,16 +231,16 @@ def main(argv: list[str] | None = None) -> int:
     sizes = SMOKE if args.smoke else SIZES
     info = machine()
     work_root = fresh_work_root("weights", args.smoke)
-    jobs: dict[str, dict[bool, list[Job]]] = {s.name: {True: [], False: []} for s in sizes}
+    jobs: dict[str, dict[int | None, list[Job]]] = {s.name: {f: [] for f in CONTENDERS} for s in sizes}
     latencies = {}
     for size in sizes:
         reps = args.reps or size.reps
         for rep in range(reps):
-            for publishing in in_turn((True, False), rep):
-                print(f"[weights] {size.name} rep {rep} publishing={publishing} ...", flush=True)
-                jobs[size.name][publishing].append(
-                    train(size, work_root / f"{size.name}-rep{rep}-{'on' if publishing else 'off'}", publishing))
-                print(f"[weights] {asdict(jobs[size.name][publishing][-1]) | {'stall_ms': '...', 'staleness': '...'}}",
+            for followers in in_turn(CONTENDERS, rep):
+                print(f"[weights] {size.name} rep {rep} followers={followers} ...", flush=True)
+                job = train(size, work_root / f"{size.name}-rep{rep}-{followers}", followers)
+                jobs[size.name][followers].append(job)
+                print(f"[weights] step {job.step_ms:.1f} ms, {job.published} published, {job.received} received",
                       flush=True)
         nbytes = size.params * 4
         published, raw = latency(nbytes, 3 if args.smoke else 10)

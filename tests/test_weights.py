@@ -11,6 +11,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import zlib
 from pathlib import Path
 
 import pytest
@@ -72,14 +73,14 @@ def test_a_slow_subscriber_holds_only_its_own_copy_and_then_skips_to_the_newest(
     with WeightPublisher("tcp://127.0.0.1:0", token=TOKEN, copies=3) as publisher:
         publisher.publish(_state(0, 1024), 0)
         slow = _RawSubscriber(publisher.endpoint)
-        version, entries, nbytes, crc = slow.ask(have=-1)
+        version, entries, nbytes = slow.ask(have=-1)
         slow.read(nbytes // 4)  # and stops reading: the publisher's send of version 0 is stuck mid-way
         for version in range(1, 30):  # none of these waits for it, and none is skipped
             assert not publisher.publish(_state(version, 1024), version).skipped
-        buffer = slow.read_rest()
-        assert wire.checksum(buffer) == crc  # version 0, whole, although 29 newer ones were published meanwhile
+        buffer = slow.read_rest()  # version 0, whole, although 29 newer ones were published meanwhile
+        assert zlib.crc32(memoryview(buffer.numpy())) == slow.lines.receive()["crc32"]
         _assert_is({e.name: wire.view(buffer, e) for e in entries}, 0)
-        version, entries, nbytes, crc = slow.ask(have=0)
+        version, entries, nbytes = slow.ask(have=0)
         assert version == 29  # the newest, not version 1
         slow.close()
 
@@ -159,10 +160,10 @@ class _RawSubscriber:
 
     def ask(self, have: int):
         self.lines.send({"have": have, "wait": 10})
-        version, entries, nbytes, crc = wire.parse_header(self.lines.receive())
+        version, entries, nbytes = wire.parse_header(self.lines.receive())
         self.tensor = torch.empty(nbytes, dtype=torch.uint8)
         self.buffer, self.done = memoryview(self.tensor.numpy()), 0
-        return version, entries, nbytes, crc
+        return version, entries, nbytes
 
     def read(self, n: int) -> None:
         self.lines.receive_into(self.buffer[self.done:self.done + n])
@@ -237,8 +238,12 @@ def test_logical_rank_0_killed_mid_publication_is_replaced_and_the_versions_go_o
         assert digest == published.get(version, digest), f"version {version} differs from the failure-free run's"
     assert set(received) & set(published), "no version received in both runs"
     for rank in range(3):  # publishing changes nothing of the training
-        assert job.applied(rank) == reference.applied(rank) == list(range(JOB_STEPS))
         assert differences(reference.state(rank), job.state(rank)) == [], f"rank {rank}"
+        assert reference.applied(rank) == list(range(JOB_STEPS))
+    assert job.applied(1) == job.applied(2) == list(range(JOB_STEPS))  # the survivors: each step once
+    # Rank 0's record: its first process's, then the spare's. The kill comes from the publisher's thread, at
+    # any point of the step, possibly between an optimizer step and its record: at most that line is missing.
+    assert job.applied(0) == sorted(set(job.applied(0))) and len(set(range(JOB_STEPS)) - set(job.applied(0))) <= 1
 
 
 def test_a_publisher_whose_port_is_still_held_serves_as_soon_as_it_is_let_go():
@@ -252,3 +257,20 @@ def test_a_publisher_whose_port_is_still_held_serves_as_soon_as_it_is_let_go():
         version, state = WeightSubscriber(endpoint, token=TOKEN, retry_s=0.05).latest(timeout=30)
         assert version == 3
         _assert_is(state, 3)
+
+
+def test_a_version_copied_during_the_step_is_the_boundarys_although_forward_changes_the_buffers():
+    model = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.BatchNorm1d(512))
+    at_boundary = {k: v.clone() for k, v in model.state_dict().items()}
+    with WeightPublisher("tcp://127.0.0.1:0", token=TOKEN) as publisher:
+        publisher.publish(model, 0, fence_later=True)  # the parameters' copy starts in the background
+        model(torch.randn(64, 512))  # a training forward: the batch-norm statistics change in place
+        changed = {k for k, v in model.state_dict().items() if not torch.equal(v, at_boundary[k])}
+        assert {"1.running_mean", "1.running_var", "1.num_batches_tracked"} <= changed
+        publisher.fence()  # before the optimizer step would change the parameters
+        version, state = WeightSubscriber(publisher.endpoint, token=TOKEN).latest(timeout=10)
+        assert version == 0 and state.keys() == at_boundary.keys()
+        for name, tensor in at_boundary.items():
+            assert torch.equal(state[name], tensor), name
+        with pytest.raises(ValueError, match="takes the module"):
+            publisher.publish(model.state_dict(), 1, fence_later=True)

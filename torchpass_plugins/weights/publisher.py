@@ -1,30 +1,36 @@
 """``WeightPublisher``: versions of a model's weights, served to any number of subscribers over TCP.
 
-The training thread pays for one thing only, the copy of the weights into host memory (``publish``). A
-background thread checksums the copy and makes it the newest version; each subscriber's connection is
-served by a thread of its own, from the copy that was newest when it asked. Copies are never written while
-a subscriber reads them: there are a few of them, and a publication that finds every one either newest or
-being read is skipped (logged), so a subscriber that reads slowly costs the trainer nothing and gets the
-newest version when it asks again. A subscriber that disconnects at any point only frees its copy.
+The training loop pays almost nothing. ``publish(..., fence_later=True)`` only starts copying the weights
+into a host buffer: host tensors are copied by a thread of the idle scheduling class (it runs where the core
+would otherwise wait, as in a collective), device tensors on a side stream. :meth:`fence`, called before
+the optimizer step changes the weights, copies what is left and makes the copy the newest version. Each
+subscriber's connection is served by a thread of its own, from the copy that was newest when it asked, and
+the CRC-32 that protects the version is computed as it is sent (once per version) and sent after it.
+
+Copies are never written while a subscriber reads them: there are a few of them, and a publication that
+finds every one newest, being read or being staged is skipped (logged), so a subscriber that reads slowly
+costs the trainer nothing and gets the newest version when it asks again. A subscriber that disconnects
+at any point only frees its copy.
 """
 
 from __future__ import annotations
 
-import logging
-import queue
 import socket
 import threading
 import time
+import zlib
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from torchpass_plugins.core.idle_copy import IdleCopy, pieces
 from torchpass_plugins.observe.events import EventLog
 from torchpass_plugins.testing import faults
 from torchpass_plugins.weights import wire
 
-log = logging.getLogger(__name__)
+CHUNK = 4 << 20  # bytes sent (and checksummed) at a time
+_GRACE_S = 0.05  # how long the fence waits for a piece the idle thread holds before it gives the version up
 
 
 @dataclass
@@ -32,15 +38,15 @@ class _Copy:
     buffer: torch.Tensor
     entries: list[wire.Entry]
     version: int = -1
-    crc: int = 0
+    crc: int | None = None  # computed by the first complete send
     readers: int = 0  # subscribers being sent this copy
-    busy: bool = True  # being staged or checksummed: not yet a version anyone may read
-    stall_s: float = 0.0  # what staging it cost the caller of ``publish``
+    busy: bool = True  # being staged: not yet a version anyone may read
+    stall_s: float = 0.0  # what staging it cost the training loop
 
 
 @dataclass
 class Publication:
-    """What one ``publish`` call did: the version, or ``skipped``; the seconds the training thread spent."""
+    """What one ``publish`` call did: the version, or ``skipped``; the seconds the caller spent in it."""
 
     version: int
     nbytes: int
@@ -49,9 +55,10 @@ class Publication:
 
 
 @dataclass
-class _Served:
-    connections: int = 0
-    sent: dict[int, int] = field(default_factory=dict)  # version -> complete sends
+class _Staging:
+    copy: _Copy
+    idle: IdleCopy | None
+    device_done: list[torch.cuda.Event] = field(default_factory=list)
 
 
 class WeightPublisher:
@@ -69,12 +76,11 @@ class WeightPublisher:
         self._copies: list[_Copy] = []
         self._max_copies = copies
         self._newest: _Copy | None = None
+        self._staging: _Staging | None = None
         self._changed = threading.Condition()
-        self._finishing: queue.Queue[_Copy | None] = queue.Queue()
         self._closed = False
         self._last_version = -1
         self.events = events or EventLog(None)
-        self.served = _Served()
         self._address = wire.address(endpoint)
         self._listener: socket.socket | None = None
         try:
@@ -86,34 +92,82 @@ class WeightPublisher:
             # accept thread binds it as soon as that process lets go; publications are kept meanwhile.
         port = self._listener.getsockname()[1] if self._listener is not None else self._address[1]
         self.endpoint = f"tcp://{self._address[0]}:{port}"
-        self._threads = [threading.Thread(target=self._finish_loop, name="weights-finish", daemon=True),
-                         threading.Thread(target=self._accept_loop, name="weights-accept", daemon=True)]
-        for thread in self._threads:
-            thread.start()
+        self._accepting = threading.Thread(target=self._accept_loop, name="weights-accept", daemon=True)
+        self._accepting.start()
 
     # -- the training thread --------------------------------------------------------------------------
-    def publish(self, state: dict[str, torch.Tensor] | torch.nn.Module, version: int,
-                wait: bool = False) -> Publication:
+    def publish(self, state: dict[str, torch.Tensor] | torch.nn.Module, version: int, wait: bool = False,
+                fence_later: bool = False) -> Publication:
         """Copy ``state`` (a state dict or a module's) into host memory as ``version``, which must be newer
-        than the last one; it is served once its checksum is computed, in the background. When every copy
-        is newest, being read or still being checksummed, the version is skipped, unless ``wait`` (for the
-        last version of a run): then it waits for a copy to be free."""
+        than the last one. With ``fence_later`` (``state`` a module) the parameters' copy is only started,
+        and :meth:`fence` must be called before the optimizer changes them (buffers, which a forward pass may
+        change, are copied at once); otherwise the copy is complete, and the version served, when this
+        returns. When every copy is newest, being read or being staged, the version is skipped, unless
+        ``wait`` (for the last version of a run): then it waits for a copy to be free."""
         started = time.perf_counter()
         if version <= self._last_version:
             raise ValueError(f"weights version {version} is not newer than the last published, {self._last_version}")
         self._last_version = version
+        self.fence()  # one version staged at a time
+        if fence_later and not isinstance(state, torch.nn.Module):
+            raise ValueError("publish(fence_later=True) takes the module, whose parameters wait for the fence")
+        later = {p.data_ptr() for p in state.parameters()} if fence_later else set()
         if isinstance(state, torch.nn.Module):
             state = state.state_dict()
         target = self._free_copy(state, wait)
         if target is None:
             self.events.emit("weights_skipped", version=version, reason="every copy is newest or being read")
             return Publication(version, 0, time.perf_counter() - started, skipped=True)
+        target.version, target.crc = version, None
+        self._staging = self._start_staging(target, state, later)
+        target.stall_s = time.perf_counter() - started
+        if not fence_later:
+            self.fence()
+        return Publication(version, target.buffer.numel(), target.stall_s)
+
+    def fence(self) -> float:
+        """Finish the version being staged (before its sources change) and serve it; the seconds it took."""
+        if self._staging is None:
+            return 0.0
+        started = time.perf_counter()
+        staging, self._staging = self._staging, None
+        for event in staging.device_done:
+            event.synchronize()
+        copy = staging.copy
+        if staging.idle is not None and not staging.idle.finish(_GRACE_S):
+            with self._changed:  # the idle thread may still write into it: never serve or reuse this copy
+                self._copies.remove(copy)
+            self.events.emit("weights_skipped", version=copy.version, reason="the copy was not done in time")
+            return time.perf_counter() - started
+        copy.stall_s += time.perf_counter() - started
+        with self._changed:
+            copy.busy = False
+            self._newest = copy
+            self._changed.notify_all()
+        self.events.emit("weights_published", version=copy.version, bytes=copy.buffer.numel(), stall_s=copy.stall_s)
+        return time.perf_counter() - started
+
+    def _start_staging(self, target: _Copy, state: dict[str, torch.Tensor], later: set[int]) -> _Staging:
+        """Host tensors in ``later`` (by address) of the published dtype go to the idle thread; device tensors
+        to a side stream, into pinned memory; the rest is copied here."""
+        idle_sources, device_done = [], []
         with torch.no_grad():
             for entry, tensor in zip(target.entries, state.values(), strict=True):
-                wire.view(target.buffer, entry).copy_(tensor.detach())
-        target.version, target.stall_s = version, time.perf_counter() - started
-        self._finishing.put(target)
-        return Publication(version, target.buffer.numel(), target.stall_s)
+                tensor, dst = tensor.detach(), wire.view(target.buffer, entry)
+                if (tensor.data_ptr() in later and tensor.device.type == "cpu" and tensor.dtype == dst.dtype
+                        and tensor.is_contiguous()):
+                    idle_sources.append((entry.offset, tensor.reshape(-1).view(torch.uint8)))
+                elif tensor.is_cuda:
+                    stream = _side_stream(tensor.device)
+                    stream.wait_stream(torch.cuda.current_stream(tensor.device))
+                    with torch.cuda.stream(stream):
+                        dst.copy_(tensor, non_blocking=True)
+                    tensor.record_stream(stream)
+                    device_done.append(stream.record_event())
+                else:
+                    dst.copy_(tensor)
+        idle = IdleCopy(pieces(target.buffer, idle_sources)) if idle_sources else None
+        return _Staging(target, idle, device_done)
 
     def _free_copy(self, state: dict[str, torch.Tensor], wait: bool) -> _Copy | None:
         """A copy no one reads or will read (a new one while there are fewer than ``copies``), marked busy."""
@@ -137,18 +191,6 @@ class WeightPublisher:
                 self._changed.wait()
 
     # -- background ------------------------------------------------------------------------------------
-    def _finish_loop(self) -> None:
-        while (copy := self._finishing.get()) is not None:
-            if torch.cuda.is_available():
-                torch.cuda.synchronize()  # (copies from the GPU are complete before they are read)
-            copy.crc = wire.checksum(copy.buffer)
-            with self._changed:
-                copy.busy = False
-                self._newest = copy
-                self._changed.notify_all()
-            self.events.emit("weights_published", version=copy.version, bytes=copy.buffer.numel(),
-                             stall_s=copy.stall_s)
-
     def _accept_loop(self) -> None:
         while self._listener is None and not self._closed:
             try:
@@ -175,12 +217,11 @@ class WeightPublisher:
                     lines.send({"error": "the publisher refused the token"})
                     return
                 lines.send({"ok": True})
-                self.served.connections += 1
                 while True:
                     request = lines.receive()
                     self._answer(lines, int(request["have"]), float(request["wait"]))
             except (OSError, ConnectionError, ValueError, KeyError):
-                return  # the subscriber left, or spoke nonsense: its copy (if any) is freed below
+                return  # the subscriber left, or spoke nonsense: its copy (if any) was freed by _answer
 
     def _answer(self, lines: wire.Lines, have: int, wait: float) -> None:
         deadline = time.monotonic() + wait
@@ -196,13 +237,19 @@ class WeightPublisher:
                 return
             copy.readers += 1
         try:
-            lines.send(wire.header(copy.version, copy.entries, copy.buffer.numel(), copy.crc))
-            payload = memoryview(copy.buffer.numpy())
-            half = len(payload) // 2
-            lines.sock.sendall(payload[:half])
-            faults.point("publish")  # (a test's fault: the publisher dies in the middle of a version)
-            lines.sock.sendall(payload[half:])
-            self.served.sent[copy.version] = self.served.sent.get(copy.version, 0) + 1
+            lines.send(wire.header(copy.version, copy.entries, copy.buffer.numel()))
+            payload, crc, half = memoryview(copy.buffer.numpy()), 0, copy.buffer.numel() // 2
+            for low, high in ((0, half), (half, len(payload))):
+                if low:
+                    faults.point("publish")  # (a test's fault: the publisher dies in the middle of a version)
+                for start in range(low, high, CHUNK):
+                    piece = payload[start:min(start + CHUNK, high)]
+                    lines.sock.sendall(piece)
+                    if copy.crc is None:
+                        crc = zlib.crc32(piece, crc)
+            if copy.crc is None:
+                copy.crc = crc
+            lines.send({"crc32": copy.crc})
         finally:
             with self._changed:
                 copy.readers -= 1
@@ -213,14 +260,22 @@ class WeightPublisher:
         with self._changed:
             self._closed = True
             self._changed.notify_all()
-        self._finishing.put(None)
         if self._listener is not None:
             self._listener.close()
-        for thread in self._threads:
-            thread.join(timeout=5.0)
+        self._accepting.join(timeout=5.0)
 
     def __enter__(self) -> WeightPublisher:
         return self
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+_side_streams: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    stream = _side_streams.get(device)
+    if stream is None:
+        stream = _side_streams[device] = torch.cuda.Stream(device)
+    return stream

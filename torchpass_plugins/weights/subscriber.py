@@ -64,10 +64,10 @@ class WeightSubscriber:
                 if record.get("version") is None:
                     continue
                 started = time.perf_counter()
-                version, entries, nbytes, crc = wire.parse_header(record)
+                version, entries, nbytes = wire.parse_header(record)
                 buffer = torch.empty(nbytes, dtype=torch.uint8)
-                lines.receive_into(memoryview(buffer.numpy()))
-                if wire.checksum(buffer) != crc:
+                crc = lines.receive_into(memoryview(buffer.numpy()))
+                if lines.receive().get("crc32") != crc:
                     self.discarded += 1
                     self._disconnect()
                     continue

@@ -1,7 +1,8 @@
 """What a publication is on the wire and in memory, and how both sides of a connection prove the token.
 
-A publication is one contiguous byte buffer holding every tensor, and a header (JSON, one line) with the
-version, each tensor's name, dtype, shape and offset, the byte count and a CRC-32 of the bytes. The
+A publication is one contiguous byte buffer holding every tensor, sent after a header (JSON, one line)
+with the version, each tensor's name, dtype, shape and offset and the byte count, and followed by a line
+with the CRC-32 of the bytes (computed as they are sent, so checking costs no pass of its own). The
 subscriber checks the CRC after the last byte arrives, so a version it hands out is never torn, whatever
 happened to the connection or the publisher meanwhile.
 
@@ -57,19 +58,15 @@ def view(buffer: torch.Tensor, entry: Entry) -> torch.Tensor:
     return buffer[entry.offset:entry.offset + entry.nbytes].view(_DTYPES[entry.dtype]).view(entry.shape)
 
 
-def checksum(buffer: torch.Tensor) -> int:
-    return zlib.crc32(memoryview(buffer.numpy()))  # zlib releases the GIL over large buffers
-
-
-def header(version: int, entries: list[Entry], nbytes: int, crc: int) -> bytes:
-    return json.dumps({"version": version, "nbytes": nbytes, "crc32": crc,
+def header(version: int, entries: list[Entry], nbytes: int) -> bytes:
+    return json.dumps({"version": version, "nbytes": nbytes,
                        "tensors": [[e.name, e.dtype, list(e.shape), e.offset, e.nbytes] for e in entries]}).encode()
 
 
-def parse_header(record: dict[str, Any]) -> tuple[int, list[Entry], int, int]:
+def parse_header(record: dict[str, Any]) -> tuple[int, list[Entry], int]:
     entries = [Entry(name, dtype, tuple(shape), offset, nbytes)
                for name, dtype, shape, offset, nbytes in record["tensors"]]
-    return record["version"], entries, record["nbytes"], record["crc32"]
+    return record["version"], entries, record["nbytes"]
 
 
 def address(endpoint: str) -> tuple[str, int]:
@@ -119,13 +116,17 @@ class Lines:
         line, self.pending = self.pending.split(b"\n", 1)
         return json.loads(line)
 
-    def receive_into(self, buffer: memoryview) -> None:
-        """Fill ``buffer`` with the next bytes (after any already read with the last line)."""
+    def receive_into(self, buffer: memoryview) -> int:
+        """Fill ``buffer`` with the next bytes (after any already read with the last line); their CRC-32,
+        computed as they arrive (zlib releases the GIL over large pieces)."""
         done = min(len(self.pending), len(buffer))
         buffer[:done] = self.pending[:done]
         self.pending = self.pending[done:]
+        crc = zlib.crc32(buffer[:done])
         while done < len(buffer):
             n = self.sock.recv_into(buffer[done:])
             if not n:
                 raise ConnectionError(f"the connection closed after {done} of {len(buffer)} bytes")
+            crc = zlib.crc32(buffer[done:done + n], crc)
             done += n
+        return crc

@@ -176,6 +176,8 @@ class TorchPassCallback(Callback):
 
     @override
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        if self.publishing is not None:
+            self.publishing.before_optimizer_step()
         if self.writer is None or self._stall is None:
             return
         stall, self._stall = self._stall + self.writer.fence(), None

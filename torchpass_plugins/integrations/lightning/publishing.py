@@ -15,7 +15,8 @@ DTYPES = {None: None, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 class RankZeroPublishing:
     """A version at every ``every_n_steps``-th step boundary (the weights after that many optimizer steps),
-    numbered by the step, and the last one at the end of training. A process starts its publisher when it
+    numbered by the step, and the last one at the end of training. The copy into host memory runs in the
+    background during the step and is finished before its optimizer step. A process starts its publisher when it
     first publishes as rank 0, so a spare that takes rank 0 over publishes the version of the boundary it
     enters at: a version its predecessor was cut off in the middle of reaches the subscribers whole. (One
     its predecessor had finished is sent again only to subscribers that had not received it.)"""
@@ -40,21 +41,26 @@ class RankZeroPublishing:
             raise ConfigError(f"torchpass: {exc}") from None
 
     def at_boundary(self, trainer: Any, module: torch.nn.Module, events: Any) -> None:
+        """Start copying the weights of this boundary; :meth:`before_optimizer_step` finishes the copy."""
         step = trainer.global_step
         if trainer.global_rank == 0 and step % self.every_n_steps == 0:
-            self._publish(module, step, events, wait=False)
+            self._publish(module, step, events, wait=False, fence_later=True)
+
+    def before_optimizer_step(self) -> None:
+        if self.publisher is not None:
+            self.publisher.fence()
 
     def at_end(self, trainer: Any, module: torch.nn.Module, events: Any) -> None:
-        if trainer.global_rank == 0:
-            self._publish(module, trainer.global_step, events, wait=True)  # the trained weights, not skipped
+        if trainer.global_rank == 0:  # the trained weights, not skipped
+            self._publish(module, trainer.global_step, events, wait=True, fence_later=False)
 
-    def _publish(self, module: torch.nn.Module, step: int, events: Any, wait: bool) -> None:
+    def _publish(self, module: torch.nn.Module, step: int, events: Any, wait: bool, fence_later: bool) -> None:
         if step <= self._last:
             return
         if self.publisher is None:
             self.publisher = WeightPublisher(self.endpoint, dtype=self.dtype, events=events)
         self._last = step
-        self.publisher.publish(module.state_dict(), step, wait=wait)
+        self.publisher.publish(module, step, wait=wait, fence_later=fence_later)
 
     def close(self) -> None:
         if self.publisher is not None:
