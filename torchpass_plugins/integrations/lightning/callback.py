@@ -45,7 +45,7 @@ class TorchPassCallback(Callback):
             storage that hangs cannot hang the job; the previous snapshot stands.
         publish_weights: ``tcp://HOST:PORT`` where logical rank 0 serves versions of the weights to
             ``WeightSubscriber`` processes outside the job (rollout replicas), with the token in
-            ``TORCHPASS_WEIGHTS_TOKEN``; the training loop pays only the copy into host memory.
+            ``TORCHPASS_WEIGHTS_TOKEN``; the copy into host memory runs in the background during the step.
         publish_every_n_steps: a version every N optimizer steps, numbered by the step, and the last one.
         publish_dtype: ``bfloat16`` or ``float16`` casts floating tensors as they are published.
     """
