@@ -5,12 +5,14 @@ torn behind; a late subscriber gets the newest version; a wrong token is refused
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 import textwrap
 import threading
+import time
 import zlib
 from pathlib import Path
 
@@ -147,20 +149,23 @@ def test_a_model_is_loaded_in_place_and_a_cast_publication_halves_the_bytes():
 class _RawSubscriber:
     """The wire protocol by hand, to stop reading in the middle of a version."""
 
-    def __init__(self, endpoint: str) -> None:
+    def __init__(self, endpoint: str, receive_buffer: int = 0) -> None:
         import socket
 
-        self.sock = socket.create_connection(wire.address(endpoint))
+        self.sock = socket.socket()
+        if receive_buffer:
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, receive_buffer)
+        self.sock.connect(wire.address(endpoint))
         self.lines = wire.Lines(self.sock)
         nonce = self.lines.receive()["nonce"]
         self.lines.send({"answer": wire.answer(TOKEN.encode(), nonce)})
-        assert self.lines.receive() == {"ok": True}
+        assert self.lines.receive()["ok"] is True
         self.buffer = memoryview(b"")
         self.done = 0
 
     def ask(self, have: int):
         self.lines.send({"have": have, "wait": 10})
-        version, entries, nbytes = wire.parse_header(self.lines.receive())
+        version, entries, nbytes = wire.parse_header(self.lines.receive(), newer_than=have)
         self.tensor = torch.empty(nbytes, dtype=torch.uint8)
         self.buffer, self.done = memoryview(self.tensor.numpy()), 0
         return version, entries, nbytes
@@ -274,3 +279,66 @@ def test_a_version_copied_during_the_step_is_the_boundarys_although_forward_chan
             assert torch.equal(state[name], tensor), name
         with pytest.raises(ValueError, match="takes the module"):
             publisher.publish(model.state_dict(), 1, fence_later=True)
+
+
+def test_a_subscriber_that_asks_without_reading_never_blocks_a_publication():
+    with WeightPublisher("tcp://127.0.0.1:0", token=TOKEN) as publisher:
+        flood = _RawSubscriber(publisher.endpoint, receive_buffer=4096)
+        request = (b'{"have": 1000000, "wait": 0}\n') * 1000
+        sent = [0]
+
+        def ask_and_never_read() -> None:  # nothing newer: the answers pile up unread, the sends block
+            with contextlib.suppress(OSError):
+                while True:
+                    flood.sock.sendall(request)
+                    sent[0] += 1
+
+        threading.Thread(target=ask_and_never_read, daemon=True).start()
+        still = 0
+        for _ in range(120):  # until the publisher stops reading requests for 2 s: it is stuck sending answers
+            before = sent[0]
+            time.sleep(0.25)
+            still = still + 1 if sent[0] == before else 0
+            if still == 8:
+                break
+        done = threading.Event()
+        threading.Thread(target=lambda: (publisher.publish(_state(1), 1), done.set()), daemon=True).start()
+        assert done.wait(timeout=20), "publish waited for a subscriber that does not read"
+        flood.close()
+
+
+def test_close_lets_go_of_the_port_and_cuts_off_its_subscribers():
+    publisher = WeightPublisher("tcp://127.0.0.1:0", token=TOKEN)
+    publisher.publish(_state(0), 0)
+    connected = _RawSubscriber(publisher.endpoint)
+    publisher.close()
+    assert connected.sock.recv(1) == b""  # cut off
+    host, port = wire.address(publisher.endpoint)
+    import socket
+
+    socket.create_server((host, port)).close()  # the port is free for a successor
+
+
+def test_a_subscriber_takes_weights_only_from_a_publisher_that_proves_the_token():
+    import socket
+
+    impostor = socket.create_server(("127.0.0.1", 0))
+
+    def pretend() -> None:
+        sock, _ = impostor.accept()
+        lines = wire.Lines(sock)
+        lines.send({"hello": wire.MAGIC, "nonce": "00"})
+        lines.receive()
+        lines.send({"ok": True, "proof": "made-up"})
+
+    threading.Thread(target=pretend, daemon=True).start()
+    with pytest.raises(TokenRefused, match="did not prove the token"):
+        WeightSubscriber(f"tcp://127.0.0.1:{impostor.getsockname()[1]}", token=TOKEN).latest(timeout=10)
+    impostor.close()
+
+
+def test_what_cannot_be_published_is_refused_before_the_version_is_taken():
+    with WeightPublisher("tcp://127.0.0.1:0", token=TOKEN) as publisher:
+        with pytest.raises(ValueError, match="cannot be published"):
+            publisher.publish({"z": torch.zeros(3, dtype=torch.complex64)}, 1)
+        assert not publisher.publish(_state(1), 1).skipped  # version 1 is still free

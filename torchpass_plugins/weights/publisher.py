@@ -15,6 +15,7 @@ at any point only frees its copy.
 
 from __future__ import annotations
 
+import errno
 import socket
 import threading
 import time
@@ -31,6 +32,9 @@ from torchpass_plugins.weights import wire
 
 CHUNK = 4 << 20  # bytes sent (and checksummed) at a time
 _GRACE_S = 0.05  # how long the fence waits for a piece the idle thread holds before it gives the version up
+_SEND_TIMEOUT_S = 30.0  # a subscriber that takes no bytes for this long is dropped, and its copy freed
+_HANDSHAKE_TIMEOUT_S = 10.0
+_WAIT_FOR_A_COPY_S = 60.0  # publish(wait=True): the longest it waits for a copy to be free
 
 
 @dataclass
@@ -83,10 +87,11 @@ class WeightPublisher:
         self.events = events or EventLog(None)
         self._address = wire.address(endpoint)
         self._listener: socket.socket | None = None
+        self._served: set[socket.socket] = set()
         try:
             self._listener = socket.create_server(self._address, backlog=64)
-        except OSError:
-            if self._address[1] == 0:
+        except OSError as exc:
+            if exc.errno != errno.EADDRINUSE or self._address[1] == 0:
                 raise
             # The port is still held, by the process this one takes over from (a planned migration): the
             # accept thread binds it as soon as that process lets go; publications are kept meanwhile.
@@ -107,14 +112,15 @@ class WeightPublisher:
         started = time.perf_counter()
         if version <= self._last_version:
             raise ValueError(f"weights version {version} is not newer than the last published, {self._last_version}")
-        self._last_version = version
-        self.fence()  # one version staged at a time
         if fence_later and not isinstance(state, torch.nn.Module):
             raise ValueError("publish(fence_later=True) takes the module, whose parameters wait for the fence")
+        self.fence()  # one version staged at a time
         later = {p.data_ptr() for p in state.parameters()} if fence_later else set()
         if isinstance(state, torch.nn.Module):
             state = state.state_dict()
-        target = self._free_copy(state, wait)
+        entries, nbytes = wire.layout(state, self._dtype)  # refuses what cannot be published, before anything
+        self._last_version = version
+        target = self._free_copy(entries, nbytes, wait)
         if target is None:
             self.events.emit("weights_skipped", version=version, reason="every copy is newest or being read")
             return Publication(version, 0, time.perf_counter() - started, skipped=True)
@@ -148,8 +154,9 @@ class WeightPublisher:
         return time.perf_counter() - started
 
     def _start_staging(self, target: _Copy, state: dict[str, torch.Tensor], later: set[int]) -> _Staging:
-        """Host tensors in ``later`` (by address) of the published dtype go to the idle thread; device tensors
-        to a side stream, into pinned memory; the rest is copied here."""
+        """Tensors in ``later`` (by address: the parameters) are copied in the background, host ones of the
+        published dtype by the idle thread, device ones on a side stream into pinned memory; the rest (the
+        buffers, which the next forward pass may change, and casts) is copied here, before this returns."""
         idle_sources, device_done = [], []
         with torch.no_grad():
             for entry, tensor in zip(target.entries, state.values(), strict=True):
@@ -157,7 +164,7 @@ class WeightPublisher:
                 if (tensor.data_ptr() in later and tensor.device.type == "cpu" and tensor.dtype == dst.dtype
                         and tensor.is_contiguous()):
                     idle_sources.append((entry.offset, tensor.reshape(-1).view(torch.uint8)))
-                elif tensor.is_cuda:
+                elif tensor.is_cuda and tensor.data_ptr() in later:
                     stream = _side_stream(tensor.device)
                     stream.wait_stream(torch.cuda.current_stream(tensor.device))
                     with torch.cuda.stream(stream):
@@ -169,9 +176,9 @@ class WeightPublisher:
         idle = IdleCopy(pieces(target.buffer, idle_sources)) if idle_sources else None
         return _Staging(target, idle, device_done)
 
-    def _free_copy(self, state: dict[str, torch.Tensor], wait: bool) -> _Copy | None:
+    def _free_copy(self, entries: list[wire.Entry], nbytes: int, wait: bool) -> _Copy | None:
         """A copy no one reads or will read (a new one while there are fewer than ``copies``), marked busy."""
-        entries, nbytes = wire.layout(state, self._dtype)
+        deadline = time.monotonic() + _WAIT_FOR_A_COPY_S
         with self._changed:
             while True:
                 for copy in self._copies:
@@ -186,16 +193,20 @@ class WeightPublisher:
                     copy = _Copy(torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned), entries)
                     self._copies.append(copy)
                     return copy
-                if not wait or self._closed:
+                left = deadline - time.monotonic()
+                if not wait or self._closed or left <= 0:
                     return None
-                self._changed.wait()
+                self._changed.wait(left)
 
     # -- background ------------------------------------------------------------------------------------
     def _accept_loop(self) -> None:
         while self._listener is None and not self._closed:
             try:
                 self._listener = socket.create_server(self._address, backlog=64)
-            except OSError:
+            except OSError as exc:
+                if exc.errno != errno.EADDRINUSE:
+                    self.events.emit("weights_unserved", endpoint=self.endpoint, error=str(exc))
+                    return
                 time.sleep(0.2)
         while not self._closed:
             try:
@@ -203,25 +214,34 @@ class WeightPublisher:
             except OSError:
                 return
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+            with self._changed:
+                self._served.add(sock)
             threading.Thread(target=self._serve, args=(sock,), name="weights-serve", daemon=True).start()
 
     def _serve(self, sock: socket.socket) -> None:
         """One subscriber: authenticate, then answer each request with the newest version newer than the one
         it has (waiting up to its ``wait`` seconds for one), or with none."""
         lines = wire.Lines(sock)
-        with sock:
-            try:
-                nonce = wire.new_nonce()
-                lines.send({"hello": wire.MAGIC, "nonce": nonce})
-                if not wire.accepted(self._token, nonce, str(lines.receive().get("answer", ""))):
-                    lines.send({"error": "the publisher refused the token"})
-                    return
-                lines.send({"ok": True})
-                while True:
-                    request = lines.receive()
-                    self._answer(lines, int(request["have"]), float(request["wait"]))
-            except (OSError, ConnectionError, ValueError, KeyError):
-                return  # the subscriber left, or spoke nonsense: its copy (if any) was freed by _answer
+        try:
+            sock.settimeout(_HANDSHAKE_TIMEOUT_S)
+            nonce = wire.new_nonce()
+            lines.send({"hello": wire.MAGIC, "nonce": nonce})
+            hello = lines.receive()
+            if not wire.accepted(self._token, nonce, str(hello.get("answer", ""))):
+                lines.send({"error": "the publisher refused the token"})
+                return
+            lines.send({"ok": True, "proof": wire.answer(self._token, wire.PUBLISHER + str(hello.get("nonce", "")))})
+            sock.settimeout(_SEND_TIMEOUT_S)  # (a receive waits no longer either: requests come at once)
+            while not self._closed:
+                request = lines.receive()
+                self._answer(lines, int(request["have"]), float(request["wait"]))
+        except (OSError, ConnectionError, ValueError, KeyError, TypeError):
+            return  # the subscriber left, stalled or spoke nonsense: its copy (if any) was freed by _answer
+        finally:
+            with self._changed:
+                self._served.discard(sock)
+            sock.close()
 
     def _answer(self, lines: wire.Lines, have: int, wait: float) -> None:
         deadline = time.monotonic() + wait
@@ -232,10 +252,11 @@ class WeightPublisher:
                     break
                 self._changed.wait(left)
             copy = self._newest if self._newest is not None and self._newest.version > have else None
-            if copy is None:
-                lines.send({"version": None})
-                return
-            copy.readers += 1
+            if copy is not None:
+                copy.readers += 1
+        if copy is None:
+            lines.send({"version": None})  # (not under the lock: a subscriber that does not read would hold it)
+            return
         try:
             lines.send(wire.header(copy.version, copy.entries, copy.buffer.numel()))
             payload, crc, half = memoryview(copy.buffer.numpy()), 0, copy.buffer.numel() // 2
@@ -256,12 +277,18 @@ class WeightPublisher:
                 self._changed.notify_all()
 
     def close(self) -> None:
-        """Stop serving; versions being sent are cut off (their subscribers discard them)."""
+        """Stop serving and let go of the port; versions being sent are cut off (their subscribers discard
+        them and ask the endpoint again)."""
         with self._changed:
             self._closed = True
             self._changed.notify_all()
-        if self._listener is not None:
-            self._listener.close()
+            served = list(self._served)
+        for sock in ([self._listener] if self._listener is not None else []) + served:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            sock.close()
         self._accepting.join(timeout=5.0)
 
     def __enter__(self) -> WeightPublisher:

@@ -59,12 +59,17 @@ class WeightSubscriber:
                 raise TimeoutError(f"no weights version newer than {have} within {timeout} s")
             try:
                 lines = self._connected()
-                lines.send({"have": have, "wait": min(left, 5.0)})  # short waits: a lost publisher shows soon
+                wait = min(left, 5.0)  # short waits: a lost publisher shows soon
+                lines.sock.settimeout(wait + 30.0)
+                asked = time.monotonic()
+                lines.send({"have": have, "wait": wait})
                 record = lines.receive()
                 if record.get("version") is None:
+                    if time.monotonic() - asked < wait / 2:
+                        time.sleep(self._retry_s)  # answered at once: a publisher closing down
                     continue
                 started = time.perf_counter()
-                version, entries, nbytes = wire.parse_header(record)
+                version, entries, nbytes = wire.parse_header(record, newer_than=have)
                 buffer = torch.empty(nbytes, dtype=torch.uint8)
                 crc = lines.receive_into(memoryview(buffer.numpy()))
                 if lines.receive().get("crc32") != crc:
@@ -90,16 +95,18 @@ class WeightSubscriber:
             try:
                 hello = lines.receive()
                 if hello.get("hello") != wire.MAGIC:
-                    raise ConnectionError(f"not a torchpass weights publisher: {hello}")
-                lines.send({"answer": wire.answer(self._token, hello["nonce"])})
+                    raise ConnectionError(f"not a torchpass weights publisher: {str(hello)[:200]}")
+                nonce = wire.new_nonce()
+                lines.send({"answer": wire.answer(self._token, str(hello.get("nonce"))), "nonce": nonce})
                 reply = lines.receive()
             except BaseException:
                 sock.close()
                 raise
-            if "error" in reply:
+            if "error" in reply or not wire.accepted(self._token, wire.PUBLISHER + nonce, str(reply.get("proof"))):
                 sock.close()
-                raise TokenRefused(f"{reply['error']} at tcp://{self._address[0]}:{self._address[1]}: both sides "
-                                   f"need the same token (token= or {wire.TOKEN_VARIABLE})")
+                who = "the publisher refused the token" if "error" in reply else "the publisher did not prove the token"
+                raise TokenRefused(f"{who} at tcp://{self._address[0]}:{self._address[1]}: both sides need the "
+                                   f"same token (token= or {wire.TOKEN_VARIABLE})")
             self._lines = lines
         return self._lines
 

@@ -7,8 +7,9 @@ subscriber checks the CRC after the last byte arrives, so a version it hands out
 happened to the connection or the publisher meanwhile.
 
 A connection starts with the publisher's challenge (a random nonce); the subscriber answers with the
-HMAC-SHA256 of the nonce under the shared token, so the token never crosses the network and an answer
-cannot be replayed on another connection.
+HMAC-SHA256 of the nonce under the shared token and a challenge of its own, which the publisher answers
+likewise. So the token never crosses the network, an answer cannot be replayed on another connection,
+and a subscriber takes weights only from a publisher that holds the token.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ import torch
 
 MAGIC = "torchpass-weights/1"
 TOKEN_VARIABLE = "TORCHPASS_WEIGHTS_TOKEN"
+PUBLISHER = "publisher:"  # prefixes the subscriber's challenge: the publisher's answer is never a subscriber's
+MAX_LINE = 1 << 20  # a request or an answer longer than this is nonsense
 _DTYPES = {str(d).removeprefix("torch."): d for d in (
     torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16, torch.int8,
     torch.uint8, torch.bool)}
@@ -46,7 +49,12 @@ def layout(state: dict[str, torch.Tensor], cast: torch.dtype | None = None) -> t
     buffer's size. Offsets are 64-byte aligned, so each tensor can be viewed in place at either end."""
     entries, offset = [], 0
     for name, tensor in state.items():
+        if not isinstance(tensor, torch.Tensor):
+            raise ValueError(f"weights: {name!r} is not a tensor ({type(tensor).__name__}); publish tensors only")
         dtype = cast if cast is not None and tensor.is_floating_point() else tensor.dtype
+        if str(dtype).removeprefix("torch.") not in _DTYPES:
+            raise ValueError(f"weights: {name!r} is {dtype}, which cannot be published; supported: "
+                             f"{', '.join(_DTYPES)}")
         nbytes = tensor.numel() * dtype.itemsize
         entries.append(Entry(name, str(dtype).removeprefix("torch."), tuple(tensor.shape), offset, nbytes))
         offset += -(-nbytes // 64) * 64
@@ -63,10 +71,25 @@ def header(version: int, entries: list[Entry], nbytes: int) -> bytes:
                        "tensors": [[e.name, e.dtype, list(e.shape), e.offset, e.nbytes] for e in entries]}).encode()
 
 
-def parse_header(record: dict[str, Any]) -> tuple[int, list[Entry], int]:
-    entries = [Entry(name, dtype, tuple(shape), offset, nbytes)
-               for name, dtype, shape, offset, nbytes in record["tensors"]]
-    return record["version"], entries, record["nbytes"]
+def parse_header(record: dict[str, Any], newer_than: int) -> tuple[int, list[Entry], int]:
+    """The version, layout and size a header announces; ``ValueError`` unless it is a consistent one,
+    newer than ``newer_than``."""
+    try:
+        version, nbytes = int(record["version"]), int(record["nbytes"])
+        entries = [Entry(str(name), str(dtype), tuple(int(d) for d in shape), int(offset), int(size))
+                   for name, dtype, shape, offset, size in record["tensors"]]
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ValueError(f"a malformed weights header: {exc}") from None
+    for e in entries:
+        count = 1
+        for d in e.shape:
+            count *= d
+        if (e.dtype not in _DTYPES or e.offset < 0 or e.offset + e.nbytes > nbytes
+                or e.nbytes != count * _DTYPES[e.dtype].itemsize):
+            raise ValueError(f"a weights header with an inconsistent entry: {e}")
+    if version <= newer_than:
+        raise ValueError(f"the publisher answered version {version}, not one newer than {newer_than}")
+    return version, entries, nbytes
 
 
 def address(endpoint: str) -> tuple[str, int]:
@@ -109,12 +132,17 @@ class Lines:
 
     def receive(self) -> dict[str, Any]:
         while b"\n" not in self.pending:
+            if len(self.pending) > MAX_LINE:
+                raise ValueError("a line longer than any the protocol has")
             chunk = self.sock.recv(65536)
             if not chunk:
                 raise ConnectionError("the connection closed")
             self.pending += chunk
         line, self.pending = self.pending.split(b"\n", 1)
-        return json.loads(line)
+        record = json.loads(line)
+        if not isinstance(record, dict):
+            raise ValueError(f"not a protocol message: {line[:100]!r}")
+        return record
 
     def receive_into(self, buffer: memoryview) -> int:
         """Fill ``buffer`` with the next bytes (after any already read with the last line); their CRC-32,

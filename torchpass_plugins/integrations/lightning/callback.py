@@ -99,7 +99,8 @@ class TorchPassCallback(Callback):
             if self.runtime is None:
                 raise ConfigError("torchpass: publish_weights needs strategy='torchpass_ddp' under `torchpass "
                                   f"launch` (got {type(trainer.strategy).__name__})")
-            self.publishing.check(trainer.strategy)
+            self.publishing.check(trainer.strategy, pl_module)
+            self.runtime.leave_hooks.append(self.publishing.close)
         if stage != "fit" or not self.snapshot_dir:
             return
         strategy = trainer.strategy

@@ -16,10 +16,10 @@ DTYPES = {None: None, "bfloat16": torch.bfloat16, "float16": torch.float16}
 class RankZeroPublishing:
     """A version at every ``every_n_steps``-th step boundary (the weights after that many optimizer steps),
     numbered by the step, and the last one at the end of training. The copy into host memory runs in the
-    background during the step and is finished before its optimizer step. A process starts its publisher when it
-    first publishes as rank 0, so a spare that takes rank 0 over publishes the version of the boundary it
-    enters at: a version its predecessor was cut off in the middle of reaches the subscribers whole. (One
-    its predecessor had finished is sent again only to subscribers that had not received it.)"""
+    background during the step and is finished before its optimizer step. A process starts its publisher
+    when it first holds rank 0 at a boundary and publishes that boundary's version then, so a spare that
+    takes rank 0 over goes on at once: a version its predecessor was cut off in the middle of reaches the
+    subscribers whole (one its predecessor had finished is sent only to subscribers that lack it)."""
 
     def __init__(self, endpoint: str, every_n_steps: int, dtype: str | None) -> None:
         if every_n_steps < 1 or dtype not in DTYPES:
@@ -30,20 +30,22 @@ class RankZeroPublishing:
         self.publisher: WeightPublisher | None = None
         self._last = -1
 
-    def check(self, strategy: Any) -> None:
+    def check(self, strategy: Any, module: torch.nn.Module) -> None:
         """Before training, on every rank (each may come to hold rank 0): what publishing needs."""
         if getattr(strategy, "strategy_name", None) == "torchpass_fsdp":
             raise ConfigError("torchpass: publish_weights with torchpass_fsdp is not supported yet (a rank holds "
                               "a shard, not the weights); publish from torchpass_ddp")
         try:
             wire.token_or_env(None)
+            wire.layout(module.state_dict(), self.dtype)
         except ValueError as exc:
-            raise ConfigError(f"torchpass: {exc}") from None
+            raise ConfigError(f"torchpass: publish_weights: {exc}") from None
 
     def at_boundary(self, trainer: Any, module: torch.nn.Module, events: Any) -> None:
-        """Start copying the weights of this boundary; :meth:`before_optimizer_step` finishes the copy."""
+        """Start copying the weights of this boundary (every N-th, and the first a process holds rank 0 at);
+        :meth:`before_optimizer_step` finishes the copy."""
         step = trainer.global_step
-        if trainer.global_rank == 0 and step % self.every_n_steps == 0:
+        if trainer.global_rank == 0 and (step % self.every_n_steps == 0 or self.publisher is None):
             self._publish(module, step, events, wait=False, fence_later=True)
 
     def before_optimizer_step(self) -> None:
@@ -51,6 +53,7 @@ class RankZeroPublishing:
             self.publisher.fence()
 
     def at_end(self, trainer: Any, module: torch.nn.Module, events: Any) -> None:
+        self.before_optimizer_step()  # a version staged at a boundary that ended training
         if trainer.global_rank == 0:  # the trained weights, not skipped
             self._publish(module, trainer.global_step, events, wait=True, fence_later=False)
 
