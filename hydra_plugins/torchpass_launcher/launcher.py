@@ -202,6 +202,7 @@ def _supervise(app: list[str], settings: Any, processes: int, overrides: Sequenc
     run_dir = hydra.runtime.output_dir
     argv = launch_command(app, settings, processes, run_dir, config_arguments(hydra), overrides,
                           hydra.overrides.hydra)
+    log.info(f"torchpass launch: {processes} processes ({settings.spares} spare), run directory {run_dir}")
     launch = subprocess.Popen(argv, cwd=hydra.runtime.cwd)
     received = []
 
