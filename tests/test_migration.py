@@ -24,8 +24,12 @@ def _assert_moved_without_failure(job, rank: int) -> None:
 
 def test_a_hot_gpu_moves_its_worker_to_a_spare_before_any_failure(tmp_path, reference):
     health = tmp_path / "health.json"
+    # Rank 0 reaches each boundary from step 4 on half a second late, so the moving worker has left, and
+    # the migration's roster is out, before rank 0 reaches the boundary of the move (rank 2 is on time):
+    # both still recover as the planned migration.
     job = start(tmp_path, train_args=(*TRAIN, "--sleep-per-step", "0.1"),
-                launch_args=("--health-source", f"file:{health}", "--health-interval", "0.2"))
+                launch_args=("--health-source", f"file:{health}", "--health-interval", "0.2"),
+                faults="slow@rank=0,step=4,seconds=0.5")
     try:
         job.wait_until(lambda: len(job.applied(1)) >= 4, "rank 1 to reach step 4")
         health.write_text(json.dumps({"1": {"temperature_c": 95}}))  # "GPU 1 is at 95 C": slot 1, rank 1
@@ -38,6 +42,8 @@ def test_a_hot_gpu_moves_its_worker_to_a_spare_before_any_failure(tmp_path, refe
     assert job.events("migration_requested")[0]["rank"] == 1
     _assert_moved_without_failure(job, rank=1)
     assert len(job.events("state_received")) == 1  # the spare got the state once, at the boundary
+    [late] = [e["position"] for e in job.events("transport_rebuilt") if e["rank"] == 0]
+    assert late[1] == 0  # rank 0 met the new roster at the move's boundary, before its first collective
 
 
 @pytest.mark.parametrize("replication", [(), ("--replicate-every", "0")], ids=["replicated", "replication-off"])

@@ -13,7 +13,9 @@ import torch
 from torchpass_plugins.config import AgentConfig, TorchPassConfig
 from torchpass_plugins.control.etcd_gateway import PASSWORD_VARIABLE
 from torchpass_plugins.control.launch_config import LaunchConfig
+from torchpass_plugins.control.protocol import Roster
 from torchpass_plugins.core import rng
+from torchpass_plugins.core.step_signals import StepSignals
 from torchpass_plugins.testing.faults import Fault
 
 
@@ -126,3 +128,19 @@ def test_etcd_credentials_are_checked_before_the_job_and_carried_to_every_proces
     assert "pw" not in config.store_address  # the password stays in the environment
     assert config.store_address.startswith("etcd://127.0.0.1:2379/run-7?cacert=")
     assert "user=trainer" in config.store_address
+
+
+def test_a_group_replaced_by_the_agreed_migration_is_recovered_as_that_migration():
+    # The moving worker leaves at the boundary without waiting for the others (its rank-state copy goes
+    # through a mailbox): a rank that reaches the boundary later finds the migration's roster out already.
+    rosters = {0: Roster(0, ("a", "b", "c")), 1: Roster(1, ("a", "spare", "c"), reason="migrate rank 1: hot")}
+    member = type("Member", (), {"latest_gen": 0, "roster": lambda self, gen: rosters[gen]})()
+    group = type("Group", (), {"gen": 0, "rank": 0})()
+    signals = StepSignals(type("Env", (), {"straggler_window": 0, "world_size": 3})(), member, group, None)
+    signals.drain = (6, 1, "b")  # agreed in the vote of step 5
+    assert signals.replaced_by_drain(6) is None  # no newer roster: not replaced
+    member.latest_gen = 1
+    assert signals.replaced_by_drain(6) == 1
+    assert signals.replaced_by_drain(5) is None  # not at the agreed boundary: a failure
+    rosters[1] = Roster(1, ("a", "b", "spare"), reason="replace rank(s) [2]")
+    assert signals.replaced_by_drain(6) is None  # another rank was lost

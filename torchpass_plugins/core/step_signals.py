@@ -83,6 +83,16 @@ class StepSignals:
             return None
         return rank
 
+    def replaced_by_drain(self, step: int) -> int | None:
+        """The rank that moves at boundary ``step`` if the roster that replaced this rank's group is that
+        move: the moving worker leaves as soon as it has passed the boundary's first collective (the
+        rank-state exchange, which on one host goes through mailboxes and waits for no one), so a rank that
+        reaches the boundary later finds its group replaced by the migration's roster. None otherwise."""
+        if self.drain is None or self.drain[0] != step or self.member.latest_gen <= self.group.gen:
+            return None
+        _, rank, worker = self.drain
+        return rank if self.member.roster(self.group.gen + 1).ranks[rank] != worker else None
+
     def take_drain(self) -> int:
         """The agreed migration happens now: forget it and return the rank that moves."""
         rank = self.drain[1]
