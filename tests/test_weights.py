@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from jobs import Job, free_port, run
+from jobs import Job, free_port, run, service_port
 
 from torchpass_plugins.testing.chaos.oracle import differences
 from torchpass_plugins.weights import TokenRefused, WeightPublisher, WeightSubscriber, wire
@@ -342,3 +342,51 @@ def test_what_cannot_be_published_is_refused_before_the_version_is_taken():
         with pytest.raises(ValueError, match="cannot be published"):
             publisher.publish({"z": torch.zeros(3, dtype=torch.complex64)}, 1)
         assert not publisher.publish(_state(1), 1).skipped  # version 1 is still free
+
+
+
+_FORKING_PUBLISHER = textwrap.dedent(f"""
+    import multiprocessing, sys, time
+    sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r})
+    from test_weights import _state
+    from torchpass_plugins.weights import WeightPublisher
+    publisher = WeightPublisher(sys.argv[1])
+    publisher.publish(_state(0), 0)
+    sys.stdin.readline()  # once a subscriber's connection is served
+    worker = multiprocessing.get_context("fork").Process(target=time.sleep, args=(60,))  # as a loader worker is
+    worker.start()
+    print(worker.pid, flush=True)
+    time.sleep(60)
+""")
+
+
+@pytest.mark.timeout(60)
+def test_a_process_forked_from_the_publishers_keeps_neither_its_port_nor_its_connections(monkeypatch):
+    """A DataLoader worker forked from rank 0's process outlives it by seconds: it must hold neither the
+    port (the spare that takes rank 0 over serves there) nor a subscriber's connection (the subscriber
+    must learn at once that its version was cut off)."""
+    import socket
+
+    monkeypatch.setenv(wire.TOKEN_VARIABLE, TOKEN)
+    endpoint = f"tcp://127.0.0.1:{service_port()}"
+    publisher = subprocess.Popen([sys.executable, "-c", _FORKING_PUBLISHER, endpoint], stdin=subprocess.PIPE,
+                                 stdout=subprocess.PIPE, text=True)
+    worker = None
+    try:
+        subscriber = WeightSubscriber(endpoint, token=TOKEN)
+        assert subscriber.latest(timeout=30)[0] == 0
+        publisher.stdin.write("fork\n")
+        publisher.stdin.flush()
+        worker = int(publisher.stdout.readline())
+        connection = subscriber._lines.sock  # served by the publisher, and copied into the worker at the fork
+        os.kill(publisher.pid, signal.SIGKILL)
+        publisher.wait()
+        connection.settimeout(5)
+        assert connection.recv(1) == b""  # closed now, not when the worker ends
+        socket.create_server(wire.address(endpoint)).close()  # the port is free at once
+    finally:
+        publisher.kill()
+        publisher.wait()
+        if worker is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(worker, signal.SIGKILL)

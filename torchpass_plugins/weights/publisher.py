@@ -16,9 +16,11 @@ at any point only frees its copy.
 from __future__ import annotations
 
 import errno
+import os
 import socket
 import threading
 import time
+import weakref
 import zlib
 from dataclasses import dataclass, field
 from typing import Any
@@ -95,6 +97,8 @@ class WeightPublisher:
                 raise
             # The port is still held, by the process this one takes over from (a planned migration): the
             # accept thread binds it as soon as that process lets go; publications are kept meanwhile.
+        owner = weakref.ref(self)
+        os.register_at_fork(after_in_child=lambda: _forget_sockets_in_child(owner()))
         port = self._listener.getsockname()[1] if self._listener is not None else self._address[1]
         self.endpoint = f"tcp://{self._address[0]}:{port}"
         self._accepting = threading.Thread(target=self._accept_loop, name="weights-accept", daemon=True)
@@ -233,9 +237,10 @@ class WeightPublisher:
                 return
             lines.send({"ok": True, "proof": wire.answer(self._token, wire.PUBLISHER + str(hello.get("nonce", "")))})
             sock.settimeout(_SEND_TIMEOUT_S)  # (a receive waits no longer either: requests come at once)
+            name = str(hello.get("name", ""))[:200] or "{}:{}".format(*sock.getpeername()[:2])
             while not self._closed:
                 request = lines.receive()
-                self._answer(lines, int(request["have"]), float(request["wait"]))
+                self._answer(lines, int(request["have"]), float(request["wait"]), name)
         except (OSError, ConnectionError, ValueError, KeyError, TypeError):
             return  # the subscriber left, stalled or spoke nonsense: its copy (if any) was freed by _answer
         finally:
@@ -243,7 +248,7 @@ class WeightPublisher:
                 self._served.discard(sock)
             sock.close()
 
-    def _answer(self, lines: wire.Lines, have: int, wait: float) -> None:
+    def _answer(self, lines: wire.Lines, have: int, wait: float, subscriber: str) -> None:
         deadline = time.monotonic() + wait
         with self._changed:
             while (self._newest is None or self._newest.version <= have) and not self._closed:
@@ -257,6 +262,7 @@ class WeightPublisher:
         if copy is None:
             lines.send({"version": None})  # (not under the lock: a subscriber that does not read would hold it)
             return
+        started = time.perf_counter()
         try:
             lines.send(wire.header(copy.version, copy.entries, copy.buffer.numel()))
             payload, crc, half = memoryview(copy.buffer.numpy()), 0, copy.buffer.numel() // 2
@@ -271,6 +277,9 @@ class WeightPublisher:
             if copy.crc is None:
                 copy.crc = crc
             lines.send({"crc32": copy.crc})
+            newest = self._newest  # (the lag: versions served since this one was asked for)
+            self.events.emit("weights_sent", subscriber=subscriber, version=copy.version, bytes=copy.buffer.numel(),
+                             seconds=time.perf_counter() - started, newest=max(copy.version, newest.version))
         finally:
             with self._changed:
                 copy.readers -= 1
@@ -296,6 +305,18 @@ class WeightPublisher:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def _forget_sockets_in_child(publisher: WeightPublisher | None) -> None:
+    """A process forked from the publisher's (a DataLoader worker) closes its copies of the publisher's
+    sockets. Else, when the publisher's process dies, its orphaned workers keep the port (a successor
+    cannot bind it) and the connections (a subscriber is not told its version was cut off) until they
+    notice, seconds later. Closed, not shut down: the publisher's own copies are untouched."""
+    if publisher is None:
+        return
+    publisher._closed = True
+    for sock in ([publisher._listener] if publisher._listener is not None else []) + list(publisher._served):
+        sock.close()
 
 
 _side_streams: dict[torch.device, torch.cuda.Stream] = {}

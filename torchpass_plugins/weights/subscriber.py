@@ -7,6 +7,7 @@ subscriber reconnects, to the same endpoint, and asks again for a version newer 
 
 from __future__ import annotations
 
+import os
 import socket
 import time
 
@@ -22,12 +23,14 @@ class TokenRefused(PermissionError):
 
 class WeightSubscriber:
     """Receives versions from ``endpoint`` (``tcp://HOST:PORT``), proving ``token`` (or
-    ``TORCHPASS_WEIGHTS_TOKEN``). ``retry_s``: the pause between attempts to reach a publisher that is not
-    there (yet, or any more: a trainer rank being replaced)."""
+    ``TORCHPASS_WEIGHTS_TOKEN``). ``name`` tells the publisher who this is, in its events and gauges
+    (default: host and process id). ``retry_s``: the pause between attempts to reach a publisher that is
+    not there (yet, or any more: a trainer rank being replaced)."""
 
-    def __init__(self, endpoint: str, token: str | None = None, retry_s: float = 0.2,
+    def __init__(self, endpoint: str, token: str | None = None, name: str | None = None, retry_s: float = 0.2,
                  events: EventLog | None = None) -> None:
         self._address = wire.address(endpoint)
+        self.name = name or f"{socket.gethostname()}:{os.getpid()}"
         self._token = wire.token_or_env(token)
         self._retry_s = retry_s
         self._lines: wire.Lines | None = None
@@ -44,11 +47,14 @@ class WeightSubscriber:
         ``timeout`` seconds without one."""
         return self._receive_newer(version, timeout)
 
-    def load_into(self, model: torch.nn.Module, timeout: float | None = None) -> int:
+    def load_into(self, model: torch.nn.Module, timeout: float | None = None, prefix: str = "") -> int:
         """Copy a version newer than the last one received (the first: the newest) into ``model``'s
-        parameters and buffers, in place; returns its number."""
+        parameters and buffers, in place; returns its number. ``prefix``: load only the tensors whose names
+        start with it, without it (``"policy."`` when the trainer's LightningModule holds the model as
+        ``self.policy``)."""
         version, state = self._receive_newer(-1 if self.version is None else self.version, timeout)
-        model.load_state_dict(state)
+        model.load_state_dict({name.removeprefix(prefix): tensor for name, tensor in state.items()
+                               if name.startswith(prefix)})
         return version
 
     def _receive_newer(self, have: int, timeout: float | None) -> tuple[int, dict[str, torch.Tensor]]:
@@ -58,7 +64,7 @@ class WeightSubscriber:
             if left <= 0:
                 raise TimeoutError(f"no weights version newer than {have} within {timeout} s")
             try:
-                lines = self._connected()
+                lines = self._connected(min(left, 10.0))
                 wait = min(left, 5.0)  # short waits: a lost publisher shows soon
                 lines.sock.settimeout(wait + 30.0)
                 asked = time.monotonic()
@@ -87,9 +93,11 @@ class WeightSubscriber:
                              seconds=time.perf_counter() - started)
             return version, {e.name: wire.view(buffer, e) for e in entries}
 
-    def _connected(self) -> wire.Lines:
+    def _connected(self, timeout: float) -> wire.Lines:
+        """The connection, made and authenticated if there is none; ``timeout`` bounds both (something else
+        listening at the port, which never says hello, is given up on in time)."""
         if self._lines is None:
-            sock = socket.create_connection(self._address, timeout=30.0)
+            sock = socket.create_connection(self._address, timeout=timeout)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             lines = wire.Lines(sock)
             try:
@@ -97,7 +105,8 @@ class WeightSubscriber:
                 if hello.get("hello") != wire.MAGIC:
                     raise ConnectionError(f"not a torchpass weights publisher: {str(hello)[:200]}")
                 nonce = wire.new_nonce()
-                lines.send({"answer": wire.answer(self._token, str(hello.get("nonce"))), "nonce": nonce})
+                lines.send({"answer": wire.answer(self._token, str(hello.get("nonce"))), "nonce": nonce,
+                            "name": self.name})
                 reply = lines.receive()
             except BaseException:
                 sock.close()

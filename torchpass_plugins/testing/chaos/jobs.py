@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -29,6 +30,21 @@ SAME_ROUNDING = {"OMP_NUM_THREADS": "1"}
 
 def free_port() -> int:
     return free_ports(1)[0]
+
+
+def service_port() -> int:
+    """A free port below the system's ephemeral range, as a service's fixed port is: the system never hands
+    it to a socket bound to port 0 (a process group's listener), so a server that dies and is replaced can
+    bind it again, as a weight publisher's successor does."""
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    for port in random.Random().sample(range(max(1024, low - 12000), low), 200):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port below the ephemeral range")
 
 
 def free_ports(n: int) -> list[int]:
