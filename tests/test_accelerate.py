@@ -6,23 +6,28 @@ is replaced live and every rank ends with the failure-free run's full state, bit
 
 from __future__ import annotations
 
+import subprocess
 import sys
 import warnings
 from pathlib import Path
 
 import pytest
 import torch
-from jobs import REPO, Job, free_port, run, run_command
+from jobs import REPO, Job, free_port, run, run_command, service_port
+from scripts.weights_follower import digest
 
 from torchpass_plugins.control.worker_env import VARIABLE as WORKER_VARIABLE
 from torchpass_plugins.errors import ConfigError
-from torchpass_plugins.integrations.accelerate.loop import TorchPass, UnprotectedRunWarning, check_layout, check_loader
+from torchpass_plugins.integrations.accelerate.loop import TorchPass, UnprotectedRunWarning
+from torchpass_plugins.integrations.accelerate.prepared import check_layout, check_loader
 from torchpass_plugins.testing.chaos.oracle import differences
+from torchpass_plugins.weights.wire import TOKEN_VARIABLE
 
 pytestmark = pytest.mark.xdist_group("accelerate")  # one worker: the module's failure-free references are made once
 
 EXAMPLE = REPO / "examples" / "accelerate" / "train.py"
 CONFIG = REPO / "examples" / "accelerate" / "accelerate_config.yaml"  # 4 processes, bf16
+FOLLOWER = REPO / "tests" / "scripts" / "weights_follower.py"
 STEPS = 16  # 2 passes over 768 samples, 3 ranks x 16 per batch, 2 micro-batches per step
 
 
@@ -148,3 +153,33 @@ def test_an_accelerator_that_does_not_see_the_jobs_ranks_is_refused():
     with pytest.raises(ConfigError, match=r"sees 1 process\(es\).*Accelerator\(cpu=True\)"):
         check_layout(SimpleNamespace(num_processes=1, process_index=0), runtime)
     check_layout(SimpleNamespace(num_processes=3, process_index=1), runtime)
+
+
+@pytest.mark.timeout(400)
+def test_rank_0_of_a_loop_that_publishes_weights_is_killed_mid_publication_and_the_versions_go_on(
+        tmp_path, failure_free, monkeypatch):
+    """``TorchPass(publish_weights=...)``: rank 0 dies in the middle of sending a version to a follower; the
+    spare that takes the rank over goes on publishing, the follower gets every version whole and in order,
+    the last one the trained weights, and the training is the failure-free run's."""
+    monkeypatch.setenv(TOKEN_VARIABLE, "a-token")
+    endpoint, received = f"tcp://127.0.0.1:{service_port()}", tmp_path / "received.txt"
+    follower = subprocess.Popen([sys.executable, str(FOLLOWER), endpoint, str(received), "--final", str(STEPS)])
+    try:
+        job, codes = run(tmp_path / "job", nproc=4, spares=1, script=EXAMPLE, faults="kill@rank=0,step=9,phase=publish",
+                         train_args=("--publish-weights", endpoint))
+        assert codes == [0], job.output()[-3000:]
+        follower.wait(timeout=60)
+    finally:
+        follower.kill()
+        follower.wait()
+    [failure] = job.events("failure_detected")
+    assert failure["rank"] == 0
+    published = {e["version"] for e in job.events("weights_published")}
+    assert len(set(range(STEPS + 1)) - published) <= 1  # only the version the kill cut off may be missing
+    lines = [line.split() for line in received.read_text().splitlines()]
+    versions = [int(version) for version, _ in lines]
+    assert versions == sorted(set(versions)) and versions[-1] == STEPS, versions
+    final = torch.load(job.out / "final.pt", weights_only=True)["weights"]
+    assert lines[-1][1] == digest(final)  # the trained weights, bit for bit
+    for rank in range(3):
+        assert differences(failure_free.state(rank), job.state(rank)) == [], f"rank {rank}"

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from jobs import Job
+from jobs import Job, service_port
 
 from torchpass_plugins.cli import main as torchpass_cli
 
@@ -21,6 +21,7 @@ REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "examples" / "lightning" / "train.py"
 SBATCH = REPO / "examples" / "slurm" / "train.sbatch"
 MANIFESTS = REPO / "examples" / "kubernetes" / "torchpass-job.yaml"
+RL = REPO / "examples" / "rl" / "run.py"
 ETCD_MANIFESTS = REPO / "examples" / "kubernetes" / "etcd.yaml"
 SMOKE = ("trainer.max_steps=12",)
 # Runs the example as ``python train.py ...`` would, then reports which torchpass modules were imported.
@@ -80,6 +81,27 @@ def test_lightning_example_runs_each_job_under_torchpass_launch_with_a_spare_and
         for key, state in theirs["state"].items():
             for field, value in state.items():
                 assert torch.equal(mine["state"][key][field], value), f"optimizer state {key}.{field}"
+
+
+@pytest.mark.timeout(400)
+def test_rl_example_goes_on_through_a_killed_publisher_and_a_killed_replica(tmp_path):
+    """The trainer's rank 0, which publishes, is SIGKILLed at step 12 and a replica mid-run: the replicas
+    get every version whole and in order from whichever process holds rank 0, and the trained weights
+    equal a failure-free run's on the same batches, and the replicas'."""
+    run_dir = tmp_path / "rl"
+    result = subprocess.run([sys.executable, str(RL), "--run-dir", str(run_dir), "--port", str(service_port())],
+                            capture_output=True, text=True, env=_env(), timeout=380, start_new_session=True)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["checks"] and all(summary["checks"].values()), summary["checks"]
+    assert summary["published"] == list(range(41))
+    job = Job(run_dir / "with-failures")
+    killed = job.events("failure_detected")[0]["time"]
+    before = {e["version"] for e in job.events("weights_published") if e["time"] < killed}
+    after = {e["version"] for e in job.events("weights_published") if e["time"] > killed}
+    assert before and after and min(after) <= max(before) + 1  # the spare that took rank 0 over went on at once
+    left = subprocess.run(["pgrep", "-f", str(run_dir)], capture_output=True, text=True).stdout.split()
+    assert left == [], f"processes left behind: {left}"
 
 
 @pytest.mark.timeout(120)

@@ -84,6 +84,7 @@ def main() -> None:
     p.add_argument("--noise", type=float, default=0.1, help="augmentation: noise added to every sample")
     p.add_argument("--dropout", type=float, default=0.1)
     p.add_argument("--out", type=Path, default=None, help="write the final weights and the steps applied here")
+    p.add_argument("--publish-weights", default=None, help="serve versions of the weights at tcp://HOST:PORT")
     args = p.parse_args()
 
     set_seed(args.seed)
@@ -97,7 +98,9 @@ def main() -> None:
     eval_loader = DataLoader(data(200), batch_size=args.batch_size)
     best = Best()
 
-    tp = TorchPass(seed=args.seed)  # before Accelerator(): joins the job (a spare waits here until it takes a rank)
+    # Before Accelerator(): joins the job (a spare waits here until it takes a rank). With publish_weights,
+    # logical rank 0 serves the tracked model's weights after every optimizer step (TORCHPASS_WEIGHTS_TOKEN).
+    tp = TorchPass(seed=args.seed, publish_weights=args.publish_weights)
     accelerator = Accelerator(gradient_accumulation_steps=args.accumulation, cpu=not torch.cuda.is_available(),
                               dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True))
     # Accelerate steps a scheduler once per process per optimizer step. The accumulation is Accelerate's, which

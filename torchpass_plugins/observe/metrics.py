@@ -2,8 +2,10 @@
 
 Node 0's agent serves metrics folded from the event log at scrape time: the workers write nothing more
 and open no port. ``torchpass_events_total{event}`` counts every event (failures, recoveries,
-migrations, snapshots...), ``torchpass_step{rank}`` is each rank's last reported step, and
-``torchpass_spares`` the size of the spare pool.
+migrations, snapshots...), ``torchpass_step{rank}`` is each rank's last reported step,
+``torchpass_spares`` the size of the spare pool, and for a job that publishes weights
+``torchpass_weights_version`` the newest version published and ``torchpass_weights_lag{subscriber}`` how
+many versions each subscriber's newest is behind it.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ class EventMetrics:
         self.counts: Counter[str] = Counter()
         self.steps: dict[int, int] = {}
         self.spares: int | None = None
+        self.weights_version: int | None = None
+        self.subscribers: dict[str, int] = {}  # the newest version sent to each subscriber
         self._offset = 0
         self._lock = threading.Lock()
 
@@ -33,6 +37,10 @@ class EventMetrics:
             self.steps[e["rank"]] = e["step"]
         if "spares" in e and isinstance(e["spares"], int):
             self.spares = e["spares"]
+        if e["event"] == "weights_published":
+            self.weights_version = max(e["version"], self.weights_version or 0)
+        elif e["event"] == "weights_sent":
+            self.subscribers[e["subscriber"]] = max(e["version"], self.subscribers.get(e["subscriber"], -1))
 
     def update(self) -> None:
         with self._lock:
@@ -61,6 +69,14 @@ class EventMetrics:
         yield step
         if self.spares is not None:
             yield GaugeMetricFamily("torchpass_spares", "Workers waiting in the spare pool", value=self.spares)
+        if self.weights_version is not None:
+            yield GaugeMetricFamily("torchpass_weights_version", "Newest weights version published",
+                                    value=self.weights_version)
+            lag = GaugeMetricFamily("torchpass_weights_lag", "Versions each subscriber's newest is behind the "
+                                    "newest published", labels=["subscriber"])
+            for name, version in sorted(self.subscribers.items()):
+                lag.add_metric([name], self.weights_version - version)
+            yield lag
 
 
 def serve(address: str, run_dir: str | Path):

@@ -49,6 +49,42 @@ class Recovery:
 
 
 @dataclass
+class Subscriber:
+    """What the publisher sent one subscriber: versions, the newest of them, and the largest lag (versions
+    published and not yet sent to it when a send ended)."""
+
+    versions: int = 0
+    last: int = -1
+    max_lag: int = 0
+    seconds: list[float] = field(default_factory=list)
+
+
+@dataclass
+class Weights:
+    published: set[int] = field(default_factory=set)
+    skipped: int = 0
+    stalls: list[float] = field(default_factory=list)
+    subscribers: dict[str, Subscriber] = field(default_factory=dict)
+
+
+def summarize_weights(events: list[dict[str, Any]]) -> Weights | None:
+    """The weights published to rollout replicas, when the run published any."""
+    weights = Weights()
+    for e in events:
+        if e["event"] == "weights_published":
+            weights.published.add(e["version"])
+            weights.stalls.append(e["stall_s"])
+        elif e["event"] == "weights_skipped":
+            weights.skipped += 1
+        elif e["event"] == "weights_sent":
+            sub = weights.subscribers.setdefault(e["subscriber"], Subscriber())
+            sub.versions, sub.last = sub.versions + 1, max(sub.last, e["version"])
+            sub.max_lag = max(sub.max_lag, e["newest"] - e["version"])
+            sub.seconds.append(e["seconds"])
+    return weights if weights.published or weights.skipped else None
+
+
+@dataclass
 class RunSummary:
     start: float
     end: float
@@ -62,6 +98,7 @@ class RunSummary:
     steps_lost: int = 0
     step_time: float | None = None  # median seconds per step
     downtime: float = 0.0
+    weights: Weights | None = None
 
     @property
     def wall(self) -> float:
@@ -128,6 +165,7 @@ def summarize(events: list[dict[str, Any]]) -> RunSummary:
         restart_gaps.append((min(later) if later else restart["time"]) - restart["time"])
     summary.downtime = (sum(r.pause for r in summary.recoveries) + sum(restart_gaps)
                         + summary.steps_lost * (summary.step_time or 0.0))
+    summary.weights = summarize_weights(events)
     return summary
 
 
@@ -145,6 +183,8 @@ def render(summary: RunSummary, console: Console) -> None:
     ]:
         run.add_row(key, value)
     console.print(run)
+    if summary.weights is not None:
+        render_weights(summary.weights, console)
     if not summary.recoveries:
         return
     table = Table(title="Recoveries and migrations")
@@ -154,6 +194,22 @@ def render(summary: RunSummary, console: Console) -> None:
     for i, r in enumerate(summary.recoveries, 1):
         table.add_row(str(i), str(r.attempt), str(r.gen), r.kind, r.reason, f"{r.published - r.detected:.3f}",
                       f"{r.done - r.published:.3f}", f"{r.seconds:.3f}", f"{r.bytes:,}", str(r.rolled_back))
+    console.print(table)
+
+
+def render_weights(weights: Weights, console: Console) -> None:
+    versions = sorted(weights.published)
+    stall = f"{statistics.median(weights.stalls) * 1e3:.2f}" if weights.stalls else "-"
+    console.print(f"Weights: {len(versions)} version(s) published"
+                  + (f" ({versions[0]}..{versions[-1]})" if versions else "")
+                  + f", {weights.skipped} skipped (no free copy), median stall {stall} ms")
+    if not weights.subscribers:
+        return
+    table = Table(title="Weights sent to subscribers")
+    for column in ("Subscriber", "Versions", "Newest", "Max lag (versions)", "Median send (s)"):
+        table.add_column(column)
+    for name, sub in sorted(weights.subscribers.items()):
+        table.add_row(name, str(sub.versions), str(sub.last), str(sub.max_lag), f"{statistics.median(sub.seconds):.4f}")
     console.print(table)
 
 

@@ -44,11 +44,12 @@ from torchpass_plugins.core.backends import communicate_on, slot_gpu
 from torchpass_plugins.core.default_group import RetryingGroup
 from torchpass_plugins.core.grad_buckets import GradientBuckets
 from torchpass_plugins.core.runtime import Runtime
-from torchpass_plugins.core.sampler import SeededSampler, seed_fetches
 from torchpass_plugins.core.training_state import OWN, TRAINER, Held, Stateful
 from torchpass_plugins.core.tree import tensors_in
 from torchpass_plugins.errors import ConfigError
+from torchpass_plugins.integrations.accelerate.prepared import check_layout, check_loader, seed_loader
 from torchpass_plugins.testing import faults
+from torchpass_plugins.weights.rank_zero import RankZeroPublishing
 
 log = logging.getLogger(__name__)
 
@@ -68,66 +69,22 @@ def _stateful(obj: Any) -> bool:
     return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
 
 
-def check_layout(accelerator: Any, runtime: Runtime) -> None:
-    """Refuse an ``Accelerator`` that does not see the job's ranks: it would shard the data and reduce as
-    a single process (on a CPU machine without ``cpu=True``), and every rank would train on everything."""
-    if (accelerator.num_processes, accelerator.process_index) != (runtime.world_size, runtime.rank):
-        raise ConfigError(
-            f"torchpass: the Accelerator sees {accelerator.num_processes} process(es) with this one at index "
-            f"{accelerator.process_index}, but the job has {runtime.world_size} active ranks and this is rank "
-            f"{runtime.rank}: it did not join the job's process group. On a CPU machine pass "
-            "Accelerator(cpu=True); otherwise check that nothing initialized torch.distributed before TorchPass()."
-        )
-
-
-def check_loader(loader: Any) -> None:
-    """Refuse a prepared loader whose order a spare could not reproduce, saying what to change."""
-    from accelerate.data_loader import SeedableRandomSampler
-    from torch.utils.data import RandomSampler
-
-    sampler = getattr(loader.batch_sampler, "batch_sampler", loader.batch_sampler)
-    sampler = getattr(sampler, "sampler", None)
-    if isinstance(sampler, RandomSampler) and not isinstance(sampler, SeedableRandomSampler):
-        raise ConfigError(
-            "torchpass: a shuffled loader must draw its order from a seed, so that a spare can take the "
-            "same batches: Accelerator(dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True))"
-        )
-    if getattr(loader, "use_stateful_dataloader", False):
-        raise ConfigError(
-            "torchpass: a spare repositions the train loader itself (it skips the batches its predecessor took, "
-            "with skip_first_batches, which Accelerate does not support on a StatefulDataLoader): drop "
-            "use_stateful_dataloader=True from the DataLoaderConfiguration"
-        )
-    if loader.rng_types:
-        raise ConfigError(
-            f"torchpass: the loader synchronizes RNG states ({loader.rng_types}) at each pass; torchpass "
-            "reseeds every step instead: drop rng_types (or use use_seedable_sampler=True)"
-        )
-
-
-def seed_loader(loader: Any, seed: int) -> SeededSampler:
-    """Give the prepared loader's batches seeds of their place in the job's order, and make the dataset
-    reseed from them as it loads (see :mod:`torchpass_plugins.core.sampler`): augmentation in loader workers
-    then draws the same numbers on a spare that starts mid-pass as on the rank it replaces."""
-    holder = loader.batch_sampler  # BatchSamplerShard -> BatchSampler -> the index sampler
-    while getattr(holder, "batch_sampler", None) is not None:
-        holder = holder.batch_sampler
-    holder.sampler = SeededSampler(holder.sampler, seed, rank=0)
-    seed_fetches(loader.dataset)
-    return holder.sampler
-
-
 class TorchPass:
     """Declares what a loop's state is and where its steps begin; see the module docstring."""
 
     def __init__(self, seed: int | None = None, timeout: timedelta | float | None = None,
-                 process_group_backend: str | None = None) -> None:
+                 process_group_backend: str | None = None, publish_weights: str | None = None,
+                 publish_every_n_steps: int = 1, publish_dtype: str | None = None) -> None:
         """``seed``: the job seed of the per-step random streams (dropout, ...); pass the seed given to
         ``set_seed`` so that runs launched apart draw the same numbers (default: ``--seed`` of the launch,
         else one derived from the job's token). ``process_group_backend``: for CUDA tensors, where a GPU is
         visible (``nccl`` unless given; ``gloo`` for several ranks sharing one GPU). ``timeout``: a collective's,
-        as a ``timedelta`` or seconds (default: ``torchpass.timeouts.collective_s``)."""
+        as a ``timedelta`` or seconds (default: ``torchpass.timeouts.collective_s``). ``publish_weights``
+        (``tcp://HOST:PORT``), ``publish_every_n_steps``, ``publish_dtype``: logical rank 0 serves versions
+        of the tracked model's weights to subscribers, as ``TorchPassCallback``'s arguments of those names."""
         self.active = in_torchpass_worker()
+        self.publishing = (RankZeroPublishing(publish_weights, publish_every_n_steps, publish_dtype)
+                           if publish_weights else None)
         self.runtime: Runtime | None = None
         self._pending: dict[str, Any] | None = None  # a spare's received state, applied by ``track``
         self.applied = 0
@@ -136,7 +93,8 @@ class TorchPass:
         self._step_open = False
         self._reduced = False
         if not self.active:
-            warnings.warn(UNPROTECTED, UnprotectedRunWarning, stacklevel=2)
+            warnings.warn(UNPROTECTED + (" Weights are published only under it." if publish_weights else ""),
+                          UnprotectedRunWarning, stacklevel=2)
             return
         from torchpass_plugins.control.worker import current_runtime
 
@@ -202,6 +160,17 @@ class TorchPass:
         if self._pending is not None:
             self._adopt(self._pending)
             self._pending = None
+        if self.publishing is not None:
+            self._start_publishing(models)
+
+    def _start_publishing(self, models: list[nn.Module]) -> None:
+        if len(models) != 1:
+            raise ConfigError(f"torchpass: publish_weights publishes the tracked model; {len(models)} are tracked")
+        self._published = self.accelerator.unwrap_model(models[0])
+        rt = self.runtime
+        self.publishing.check(self._published)
+        rt.leave_hooks.append(self.publishing.close)
+        self.publishing.at_start(rt.rank, self.applied, self._published, rt.events)
 
     def epochs(self, count: int) -> Iterator[int]:
         """``range(count)`` from the pass over the data the job is in (a spare enters mid-run); then the
@@ -212,6 +181,8 @@ class TorchPass:
         self._require_tracked()
         yield from range(self._iteration, count)
         step = self.applied
+        if self.publishing is not None:
+            self.publishing.at_end(self.runtime.rank, step, self._published, self.runtime.events)
         if self.runtime.last_boundary != step:
             self.runtime.boundary(step)
         self.runtime.collective(lambda t: t.barrier(), None)
@@ -254,6 +225,8 @@ class TorchPass:
         rt.boundary(self.applied)
         if rt.drain_due(self.applied) is not None:
             rt.carry_out_drain(self.applied)
+        if self.publishing is not None:
+            self.publishing.at_boundary(rt.rank, self.applied, self._published, rt.events)
 
     def _wrap_backward(self, accelerator: Any) -> None:
         original = accelerator.backward
@@ -278,6 +251,8 @@ class TorchPass:
                 "torchpass: the optimizer stepped before the gradients were reduced; compute them with "
                 "accelerator.backward(loss) (inside accelerator.accumulate(model) when accumulating)"
             )
+        if self.publishing is not None:
+            self.publishing.before_optimizer_step()
 
     def _after_optimizer_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         self._reduced = self._step_open = False

@@ -15,11 +15,11 @@ from typing_extensions import override
 from torchpass_plugins._compat.lightning import restoring_a_checkpoint
 from torchpass_plugins.core.interfaces import Phase
 from torchpass_plugins.errors import ConfigError
-from torchpass_plugins.integrations.lightning.publishing import RankZeroPublishing
 from torchpass_plugins.integrations.lightning.state_parts import ResumedSnapshot
 from torchpass_plugins.observe.events import EventLog
 from torchpass_plugins.storage.snapshot_store import Manifest, SnapshotStore, model_fingerprint
 from torchpass_plugins.storage.snapshot_writer import AsyncSnapshotWriter, SnapshotPlan, WhenBusy
+from torchpass_plugins.weights.rank_zero import RankZeroPublishing
 
 _LAND_ON_LEAVE_S = 60.0  # how long a worker leaving the job (aborted, migrated) waits for its snapshot in flight
 
@@ -99,7 +99,8 @@ class TorchPassCallback(Callback):
             if self.runtime is None:
                 raise ConfigError("torchpass: publish_weights needs strategy='torchpass_ddp' under `torchpass "
                                   f"launch` (got {type(trainer.strategy).__name__})")
-            self.publishing.check(trainer.strategy, pl_module)
+            sharded = getattr(trainer.strategy, "strategy_name", None) == "torchpass_fsdp"
+            self.publishing.check(pl_module, sharded_by="torchpass_fsdp" if sharded else None)
             self.runtime.leave_hooks.append(self.publishing.close)
         if stage != "fit" or not self.snapshot_dir:
             return
@@ -161,11 +162,16 @@ class TorchPassCallback(Callback):
 
     # -- at step boundaries: snapshots, published weights ------------------------------------------------------
     @override
+    def on_train_start(self, trainer, pl_module) -> None:
+        if self.publishing is not None:
+            self.publishing.at_start(trainer.global_rank, trainer.global_step, pl_module, self.runtime.events)
+
+    @override
     def on_train_batch_start(self, trainer, pl_module, batch: Any, batch_idx: int) -> None:
         if (trainer.fit_loop.epoch_loop.batch_progress.current.ready - 1) % trainer.accumulate_grad_batches:
             return  # not the step's first micro-batch
         if self.publishing is not None:
-            self.publishing.at_boundary(trainer, pl_module, self.runtime.events)
+            self.publishing.at_boundary(trainer.global_rank, trainer.global_step, pl_module, self.runtime.events)
         every, step = self.snapshot_every_n_steps, trainer.global_step
         if self.writer is None or not every or step % every or step <= self._last_snapshot:
             return
@@ -188,7 +194,7 @@ class TorchPassCallback(Callback):
     @override
     def on_train_end(self, trainer, pl_module) -> None:
         if self.publishing is not None:
-            self.publishing.at_end(trainer, pl_module, self.runtime.events)
+            self.publishing.at_end(trainer.global_rank, trainer.global_step, pl_module, self.runtime.events)
         if self.writer is not None and not self.writer.close(timeout=self.snapshot_timeout):
             self.runtime.events.emit("snapshot_failed", rank=trainer.global_rank, step=self._last_snapshot,
                                      error=f"still in flight {self.snapshot_timeout:g} s after training ended: "

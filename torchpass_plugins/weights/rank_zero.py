@@ -1,5 +1,6 @@
 """Weights published by logical rank 0, whichever process holds it: the job's first one, or a spare that
-took the rank over, even in the middle of a publication."""
+took the rank over, even in the middle of a publication. The Lightning callback and the Accelerate loop
+call it at the same points of a step."""
 
 from __future__ import annotations
 
@@ -8,18 +9,20 @@ from typing import Any
 import torch
 
 from torchpass_plugins.errors import ConfigError
-from torchpass_plugins.weights import WeightPublisher, wire
+from torchpass_plugins.weights import wire
+from torchpass_plugins.weights.publisher import WeightPublisher
 
 DTYPES = {None: None, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class RankZeroPublishing:
-    """A version at every ``every_n_steps``-th step boundary (the weights after that many optimizer steps),
-    numbered by the step, and the last one at the end of training. The copy into host memory runs in the
-    background during the step and is finished before its optimizer step. A process starts its publisher
-    when it first holds rank 0 at a boundary and publishes that boundary's version then, so a spare that
-    takes rank 0 over goes on at once: a version its predecessor was cut off in the middle of reaches the
-    subscribers whole (one its predecessor had finished is sent only to subscribers that lack it)."""
+    """A version at the start of training, before the loader takes its first batches (rollouts that feed
+    them need weights to play with), at every ``every_n_steps``-th step boundary (the weights after that
+    many optimizer steps), numbered by the step, and the last one at the end of training. The copy into
+    host memory runs in the background during the step and is finished before its optimizer step. A
+    process starts its publisher when it first holds rank 0 and publishes at once, so a spare that takes
+    rank 0 over goes on: a version its predecessor was cut off in the middle of reaches the subscribers
+    whole (one its predecessor had finished is sent only to subscribers that lack it)."""
 
     def __init__(self, endpoint: str, every_n_steps: int, dtype: str | None) -> None:
         if every_n_steps < 1 or dtype not in DTYPES:
@@ -30,32 +33,37 @@ class RankZeroPublishing:
         self.publisher: WeightPublisher | None = None
         self._last = -1
 
-    def check(self, strategy: Any, module: torch.nn.Module) -> None:
+    def check(self, module: torch.nn.Module, sharded_by: str | None = None) -> None:
         """Before training, on every rank (each may come to hold rank 0): what publishing needs."""
-        if getattr(strategy, "strategy_name", None) == "torchpass_fsdp":
-            raise ConfigError("torchpass: publish_weights with torchpass_fsdp is not supported yet (a rank holds "
-                              "a shard, not the weights); publish from torchpass_ddp")
+        if sharded_by is not None:
+            raise ConfigError(f"torchpass: publish_weights with {sharded_by} is not supported yet (a rank holds "
+                              "a shard, not the weights); publish from a data-parallel job (torchpass_ddp)")
         try:
             wire.token_or_env(None)
             wire.layout(module.state_dict(), self.dtype)
         except ValueError as exc:
             raise ConfigError(f"torchpass: publish_weights: {exc}") from None
 
-    def at_boundary(self, trainer: Any, module: torch.nn.Module, events: Any) -> None:
+    def at_start(self, rank: int, step: int, module: torch.nn.Module, events: Any) -> None:
+        """The weights training starts from (the job's first, a checkpoint's, or those a spare that took
+        rank 0 over was handed), complete before this returns."""
+        if rank == 0:
+            self._publish(module, step, events, wait=False, fence_later=False)
+
+    def at_boundary(self, rank: int, step: int, module: torch.nn.Module, events: Any) -> None:
         """Start copying the weights of this boundary (every N-th, and the first a process holds rank 0 at);
         :meth:`before_optimizer_step` finishes the copy."""
-        step = trainer.global_step
-        if trainer.global_rank == 0 and (step % self.every_n_steps == 0 or self.publisher is None):
+        if rank == 0 and (step % self.every_n_steps == 0 or self.publisher is None):
             self._publish(module, step, events, wait=False, fence_later=True)
 
     def before_optimizer_step(self) -> None:
         if self.publisher is not None:
             self.publisher.fence()
 
-    def at_end(self, trainer: Any, module: torch.nn.Module, events: Any) -> None:
+    def at_end(self, rank: int, step: int, module: torch.nn.Module, events: Any) -> None:
         self.before_optimizer_step()  # a version staged at a boundary that ended training
-        if trainer.global_rank == 0:  # the trained weights, not skipped
-            self._publish(module, trainer.global_step, events, wait=True, fence_later=False)
+        if rank == 0:  # the trained weights, not skipped
+            self._publish(module, step, events, wait=True, fence_later=False)
 
     def _publish(self, module: torch.nn.Module, step: int, events: Any, wait: bool, fence_later: bool) -> None:
         if step <= self._last:
