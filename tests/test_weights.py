@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from jobs import Job, free_port, run, service_port
+from jobs import Job, run, service_port
 
 from torchpass_plugins.testing.chaos.oracle import differences
 from torchpass_plugins.weights import TokenRefused, WeightPublisher, WeightSubscriber, wire
@@ -101,7 +101,7 @@ def test_a_subscriber_killed_in_the_middle_of_a_version_costs_the_others_nothing
 
 
 def test_a_publisher_killed_mid_version_is_never_seen_torn_and_its_successor_serves_the_same_endpoint(tmp_path):
-    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    endpoint = f"tcp://127.0.0.1:{service_port()}"
     env = {**os.environ, wire.TOKEN_VARIABLE: TOKEN, "TORCHPASS_FAULTS": "kill@phase=publish"}
     first = subprocess.Popen([sys.executable, "-c", _PUBLISHER, endpoint, "5"], cwd=tmp_path, env=env)
     successor: list[subprocess.Popen] = []
@@ -210,7 +210,7 @@ JOB_STEPS = 12
 
 def _job_with_a_follower(run_dir: Path, nproc: int, spares: int, faults: str = "") -> tuple[Job, dict[int, str]]:
     """The demo job publishing every step to a follower process; what the follower received."""
-    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    endpoint = f"tcp://127.0.0.1:{service_port()}"
     received = run_dir / "received.txt"
     run_dir.mkdir(parents=True)
     follower = subprocess.Popen([sys.executable, str(FOLLOWER), endpoint, str(received), "--final", str(JOB_STEPS)])

@@ -1,6 +1,6 @@
 """A rollout replica as the tests run it: follow the weights a job publishes, and write one line per version
 received, ``VERSION SHA256`` of its tensors, until the final version arrives or the publisher has been gone
-for ``--patience`` seconds."""
+for ``--patience`` seconds. ``--events``: its event log (versions received, connections lost)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import hashlib
 
 import torch
 
+from torchpass_plugins.observe.events import EventLog
 from torchpass_plugins.weights import WeightSubscriber
 
 
@@ -26,8 +27,9 @@ def main() -> None:
     p.add_argument("out")
     p.add_argument("--final", type=int, required=True)
     p.add_argument("--patience", type=float, default=20.0)
+    p.add_argument("--events", default=None, help="the subscriber's event log")
     args = p.parse_args()
-    subscriber = WeightSubscriber(args.endpoint, retry_s=0.05)
+    subscriber = WeightSubscriber(args.endpoint, retry_s=0.05, events=EventLog(args.events, source="follower"))
     version = -1
     with open(args.out, "a", buffering=1) as out:
         while version < args.final:

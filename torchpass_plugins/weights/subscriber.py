@@ -25,18 +25,20 @@ class WeightSubscriber:
     """Receives versions from ``endpoint`` (``tcp://HOST:PORT``), proving ``token`` (or
     ``TORCHPASS_WEIGHTS_TOKEN``). ``name`` tells the publisher who this is, in its events and gauges
     (default: host and process id). ``retry_s``: the pause between attempts to reach a publisher that is
-    not there (yet, or any more: a trainer rank being replaced)."""
+    not there (yet, or any more: a trainer rank being replaced). ``stall_s``: a version of which no byte
+    arrives for this long (a link down) is given up, and asked for again on a new connection."""
 
     def __init__(self, endpoint: str, token: str | None = None, name: str | None = None, retry_s: float = 0.2,
-                 events: EventLog | None = None) -> None:
+                 stall_s: float = 10.0, events: EventLog | None = None) -> None:
         self._address = wire.address(endpoint)
         self.name = name or f"{socket.gethostname()}:{os.getpid()}"
         self._token = wire.token_or_env(token)
-        self._retry_s = retry_s
+        self._retry_s, self._stall_s = retry_s, stall_s
         self._lines: wire.Lines | None = None
         self.events = events or EventLog(None)
         self.version: int | None = None  # the newest version received
-        self.discarded = 0  # versions cut off or corrupt on the way, dropped and asked for again
+        self.discarded = 0  # versions whose checksum did not match, dropped and asked for again
+        self.connections_lost = 0  # connections that broke (a version on its way is dropped and asked for again)
 
     def latest(self, timeout: float | None = None) -> tuple[int, dict[str, torch.Tensor]]:
         """The newest version the publisher has (waiting up to ``timeout`` seconds for a first one)."""
@@ -66,7 +68,7 @@ class WeightSubscriber:
             try:
                 lines = self._connected(min(left, 10.0))
                 wait = min(left, 5.0)  # short waits: a lost publisher shows soon
-                lines.sock.settimeout(wait + 30.0)
+                lines.sock.settimeout(wait + self._stall_s)
                 asked = time.monotonic()
                 lines.send({"have": have, "wait": wait})
                 record = lines.receive()
@@ -76,6 +78,7 @@ class WeightSubscriber:
                     continue
                 started = time.perf_counter()
                 version, entries, nbytes = wire.parse_header(record, newer_than=have)
+                lines.sock.settimeout(self._stall_s)
                 buffer = torch.empty(nbytes, dtype=torch.uint8)
                 crc = lines.receive_into(memoryview(buffer.numpy()))
                 if lines.receive().get("crc32") != crc:
@@ -84,7 +87,10 @@ class WeightSubscriber:
                     continue
             except TokenRefused:
                 raise
-            except (OSError, ConnectionError, ValueError):
+            except (OSError, ConnectionError, ValueError) as exc:
+                if self._lines is not None:  # a connection that was up: lost (a version cut off is dropped)
+                    self.connections_lost += 1
+                    self.events.emit("weights_connection_lost", error=str(exc) or type(exc).__name__)
                 self._disconnect()
                 time.sleep(self._retry_s)
                 continue
