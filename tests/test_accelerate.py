@@ -163,7 +163,8 @@ def test_rank_0_of_a_loop_that_publishes_weights_is_killed_mid_publication_and_t
     the last one the trained weights, and the training is the failure-free run's."""
     monkeypatch.setenv(TOKEN_VARIABLE, "a-token")
     endpoint, received = f"tcp://127.0.0.1:{service_port()}", tmp_path / "received.txt"
-    follower = subprocess.Popen([sys.executable, str(FOLLOWER), endpoint, str(received), "--final", str(STEPS)])
+    follower = subprocess.Popen([sys.executable, str(FOLLOWER), endpoint, str(received), "--final", str(STEPS),
+                                 "--patience", "120"])
     try:
         job, codes = run(tmp_path / "job", nproc=4, spares=1, script=EXAMPLE, faults="kill@rank=0,step=9,phase=publish",
                          train_args=("--publish-weights", endpoint))

@@ -89,9 +89,18 @@ def test_rl_example_goes_on_through_a_killed_publisher_and_a_killed_replica(tmp_
     get every version whole and in order from whichever process holds rank 0, and the trained weights
     equal a failure-free run's on the same batches, and the replicas'."""
     run_dir = tmp_path / "rl"
-    result = subprocess.run([sys.executable, str(RL), "--run-dir", str(run_dir), "--port", str(service_port())],
-                            capture_output=True, text=True, env=_env(), timeout=380, start_new_session=True)
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+    example = subprocess.Popen([sys.executable, str(RL), "--run-dir", str(run_dir), "--port", str(service_port())],
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env())
+    try:
+        output = example.communicate(timeout=360)[0]
+    finally:  # on a timeout, SIGTERM makes the example stop everything it started
+        if example.poll() is None:
+            example.terminate()
+            try:
+                example.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                example.kill()
+    assert example.returncode == 0, output[-5000:]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["checks"] and all(summary["checks"].values()), summary["checks"]
     assert summary["published"] == list(range(41))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 import urllib.request
 
 import torch
@@ -42,7 +43,12 @@ def test_the_weights_gauges_follow_the_publisher_and_each_subscriber(tmp_path):
             with WeightSubscriber(publisher.endpoint, token="t", name="replica-a") as subscriber:
                 assert subscriber.latest(timeout=10)[0] == 2
             publisher.publish(state, 3)
-            body = urllib.request.urlopen(f"http://{address}/metrics", timeout=10).read().decode()
+            deadline = time.monotonic() + 30
+            while True:  # the publisher logs a send just after its last byte, maybe after latest() returned
+                body = urllib.request.urlopen(f"http://{address}/metrics", timeout=10).read().decode()
+                if "torchpass_weights_lag" in body or time.monotonic() > deadline:
+                    break
+                time.sleep(0.1)
         assert "torchpass_weights_version 3.0" in body
         assert 'torchpass_weights_lag{subscriber="replica-a"} 1.0' in body
     finally:

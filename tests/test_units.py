@@ -144,3 +144,5 @@ def test_a_group_replaced_by_the_agreed_migration_is_recovered_as_that_migration
     assert signals.replaced_by_drain(5) is None  # not at the agreed boundary: a failure
     rosters[1] = Roster(1, ("a", "b", "spare"), reason="replace rank(s) [2]")
     assert signals.replaced_by_drain(6) is None  # another rank was lost
+    rosters[1] = Roster(1, ("a", "spare", "c"), reason="replace rank(s) [1]")
+    assert signals.replaced_by_drain(6) is None  # the moving worker died before it left: a failure

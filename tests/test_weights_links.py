@@ -47,11 +47,15 @@ def test_a_subscriber_rides_out_a_flap_and_reconnects_after_a_cut_and_every_vers
     with Hosts(2) as hosts:
         endpoint = f"tcp://{hosts.address(0)}:29600"
         hosts.qdisc(1, "tbf", "rate", "300mbit", "burst", "64kb", "latency", "400ms")  # about 0.5 s a version
-        publisher = hosts.popen(0, [sys.executable, "-c", PUBLISHER, endpoint, str(events), str(VERSIONS),
-                                    str(ELEMENTS)], env=env)
-        follower = hosts.popen(1, [sys.executable, str(FOLLOWER), endpoint, str(received), "--final",
-                                   str(VERSIONS - 1), "--patience", "60", "--events", str(events)], env=env)
+        processes = []
         try:
+            publisher = hosts.popen(0, [sys.executable, "-c", PUBLISHER, endpoint, str(events), str(VERSIONS),
+                                        str(ELEMENTS)], env=env)
+            processes.append(publisher)
+            follower = hosts.popen(1, [sys.executable, str(FOLLOWER), endpoint, str(received), "--final",
+                                       str(VERSIONS - 1), "--patience", "60", "--events", str(events)], env=env)
+            processes.append(follower)
+
             def received_after(seconds: float) -> int:
                 deadline = time.monotonic() + seconds
                 while time.monotonic() < deadline:
@@ -73,7 +77,7 @@ def test_a_subscriber_rides_out_a_flap_and_reconnects_after_a_cut_and_every_vers
             restored = time.time()
             assert follower.wait(timeout=120) == 0
         finally:
-            for proc in (publisher, follower):
+            for proc in processes:
                 proc.kill()
                 proc.wait()
     lines = [line.split() for line in received.read_text().splitlines()]

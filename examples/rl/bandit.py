@@ -25,7 +25,8 @@ def rewards(context: torch.Tensor, arms: torch.Tensor) -> torch.Tensor:
 
 class Policy(nn.Module):
     """Logits over the arms. Its BatchNorm's running statistics are buffers: they travel with each published
-    version, so a replica in ``eval()`` mode acts as the trainer's weights would."""
+    version, and a replica plays in ``eval()`` mode with them. (The trainer's ratio of probabilities uses the
+    batch's statistics, so it is not exactly 1 for the version that played; the clipping absorbs that.)"""
 
     def __init__(self, hidden: int = 32) -> None:
         super().__init__()

@@ -38,11 +38,14 @@ def main() -> None:
     p.add_argument("--ranks", type=int, default=2, help="the trainer's active ranks")
     p.add_argument("--steps", type=int, required=True, help="the trainer's max_steps")
     p.add_argument("--rounds", type=int, default=256, help="rounds per batch")
-    p.add_argument("--max-lag", type=int, default=2, help="the oldest version a batch may be played with, in steps")
+    p.add_argument("--max-lag", type=int, default=2, help="the oldest version a batch may be played with, in steps "
+                   "(at least 2: Lightning reads the batch of step s + 1 before the weights of step s exist)")
     p.add_argument("--events", type=Path, default=None, help="append weights_received events to this log")
     args = p.parse_args()
+    if args.max_lag < 2:
+        p.error("--max-lag must be at least 2")
     name = f"replica{args.replica}"
-    events = EventLog(args.events, source=name)
+    events = EventLog(args.events, source=f"{name}-{os.getpid()}")  # a restarted replica is a new subscriber
     subscriber = WeightSubscriber(args.endpoint, name=name, events=events)
     policy = Policy().eval()
     args.rollouts.mkdir(parents=True, exist_ok=True)
@@ -58,7 +61,7 @@ def main() -> None:
         aside = path.with_suffix(f".{os.getpid()}.tmp")
         torch.save(batch, aside)
         os.replace(aside, path)
-    while subscriber.version < args.steps:  # the trained weights (the trainer's last version)
+    while subscriber.version is None or subscriber.version < args.steps:  # the trained weights (the last version)
         subscriber.load_into(policy, timeout=300, prefix="policy.")
     torch.save(policy.state_dict(), args.rollouts.parent / f"{name}_final.pt")
 

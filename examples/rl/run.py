@@ -7,9 +7,11 @@ compared. Prints what happened and writes ``RUN_DIR/summary.json``; exit status 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import secrets
+import shutil
 import signal
 import statistics
 import subprocess
@@ -26,6 +28,7 @@ from torchpass_plugins.observe.report import report
 
 HERE = Path(__file__).resolve().parent
 RANKS, REPLICAS = 2, 2
+MARKER = ".torchpass-rl-example"  # in a run directory this script made (the only kind it deletes)
 
 
 def start_trainer(run: Path, rollouts: Path, steps: int, spares: int, faults: str, env: dict,
@@ -64,46 +67,58 @@ def main() -> int:
     args = p.parse_args()
     console = Console(width=None if Console().is_terminal else 120)
     root, rollouts = args.run_dir.resolve(), args.run_dir.resolve() / "rollouts"
-    if root.exists():
-        subprocess.run(["rm", "-rf", str(root)], check=True)
+    if root.exists() and any(root.iterdir()):
+        if not (root / MARKER).exists():
+            p.error(f"{root} is not empty and not an earlier run of this example: choose another --run-dir")
+        shutil.rmtree(root)
+    root.mkdir(parents=True, exist_ok=True)
+    (root / MARKER).touch()
     env = {**os.environ, "TORCHPASS_WEIGHTS_TOKEN": secrets.token_hex(16)}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE), env.get("PYTHONPATH")]))
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # a SIGTERM stops everything started, as Ctrl-C
+    started: list[subprocess.Popen] = []
+    try:
+        return run_all(console, root, rollouts, args, env, started)
+    finally:
+        for proc in started:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+
+
+def run_all(console: Console, root: Path, rollouts: Path, args, env: dict, started: list) -> int:
     console.rule("[bold]RL: trainer with a spare, two rollout replicas")
     run = root / "with-failures"
     trainer = start_trainer(run, rollouts, args.steps, spares=1, faults=f"kill@rank=0,step={args.kill_step}", env=env,
                             port=args.port)
     events = run / "events.jsonl"
     replicas = [start_replica(i, endpoint_of(trainer), rollouts, args.steps, events, env) for i in range(REPLICAS)]
+    started += [trainer, *replicas]
+    halfway = rollouts / f"batch{args.steps | 1:05d}.pt"  # one of replica 1's, about halfway
     replica_killed, codes = None, None
     deadline = time.monotonic() + 600
-    try:
-        while time.monotonic() < deadline:
-            if trainer.poll() is not None or any(r.poll() for r in replicas):  # ended, or a replica failed
-                break
-            # replica 1 is killed once it has played the batches of half the steps, and restarted a second later
-            if replica_killed is None and (rollouts / f"batch{args.steps - 1:05d}.pt").exists():
-                replicas[1].kill()
-                replicas[1].wait()
-                replica_killed = time.time()
-                console.print("[bold red]SIGKILL[/] replica 1; restarted in 1 s")
-                time.sleep(1.0)
-                replicas[1] = start_replica(1, endpoint_of(trainer), rollouts, args.steps, events, env)
-            time.sleep(0.1)
-        if trainer.poll() == 0:
+    while time.monotonic() < deadline:
+        if trainer.poll() is not None or any(r.poll() for r in replicas):  # ended, or a replica failed
+            break
+        if replica_killed is None and halfway.exists():  # replica 1 is killed, and restarted a second later
+            replicas[1].kill()
+            replicas[1].wait()
+            replica_killed = time.time()
+            console.print("[bold red]SIGKILL[/] replica 1; restarted in 1 s")
+            time.sleep(1.0)
+            replicas[1] = start_replica(1, endpoint_of(trainer), rollouts, args.steps, events, env)
+            started.append(replicas[1])
+        time.sleep(0.1)
+    if trainer.poll() == 0:
+        with contextlib.suppress(subprocess.TimeoutExpired):
             codes = [0] + [r.wait(timeout=60) for r in replicas]
-    except subprocess.TimeoutExpired:
-        pass
-    finally:
-        for proc in [trainer, *replicas]:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
     if codes is None or any(codes):
         console.print(f"[red]the trainer or a replica failed or timed out (exit codes: trainer "
-                      f"{trainer.returncode}, replicas {[r.returncode for r in replicas]}); see {root}/*/*.log")
+                      f"{trainer.poll()}, replicas {[r.poll() for r in replicas]}); see {root}/*/*.log")
         return 1
     console.print("The trainer again, on the same batches, without failures, for comparison.")
     reference = start_trainer(root / "reference", rollouts, args.steps, spares=0, faults="", env=env, port=args.port)
+    started.append(reference)
     if reference.wait(timeout=600):
         console.print(f"[red]the reference run failed; see {root / 'reference' / 'job.log'}")
         return 1
@@ -113,19 +128,22 @@ def main() -> int:
 def summarize(console: Console, root: Path, run: Path, rollouts: Path, args, replica_killed: float | None) -> int:
     log = read_events(run)
     trained = torch.load(run / "trained.pt")
-    received: dict[str, list[int]] = {}
+    received: dict[str, list[int]] = {}  # by replica process (a restarted replica is a new one)
     for e in log:
         if e["event"] == "weights_received":
             received.setdefault(e["source"], []).append(e["version"])
+    killed = next((e["time"] for e in log if e["event"] == "failure_detected" and e["rank"] == 0), float("inf"))
+    promoted = [e for e in log if e["event"] == "roster_published" and 0 in e["promoted"].values() and e["gen"]]
     batches = [torch.load(rollouts / f"batch{k:05d}.pt") for k in range(args.steps * RANKS)]
     staleness = [k // RANKS - int(b["version"]) for k, b in enumerate(batches)]
     reward = [float(torch.stack([b["reward"].mean() for b in batches[s * RANKS:(s + 1) * RANKS]]).mean())
               for s in range(args.steps)]
     checks = {
-        "trainer rank 0 SIGKILLed and replaced by the spare":
-            any(e["event"] == "failure_detected" and e["rank"] == 0 for e in log),
+        "trainer rank 0 SIGKILLed, replaced by the spare, which went on publishing":
+            bool(promoted) and any(e["event"] == "weights_published" and e["time"] > killed for e in log),
         "a replica SIGKILLed and restarted": replica_killed is not None,
-        "each replica's versions strictly increase": all(v == sorted(set(v)) for v in received.values()),
+        "each replica process received strictly increasing versions":
+            len(received) > REPLICAS and all(v == sorted(set(v)) for v in received.values()),
         "every batch played with a version at most 2 steps old": max(staleness) <= 2,
         "trained weights bit-identical to the failure-free run on the same batches":
             same(trained, torch.load(root / "reference" / "trained.pt")),
@@ -141,7 +159,7 @@ def summarize(console: Console, root: Path, run: Path, rollouts: Path, args, rep
     table.add_row("versions published (by either process holding rank 0)", f"{len(set(published))}, "
                   f"{min(published)}..{max(published)}")
     for name, versions in sorted(received.items()):
-        table.add_row(f"versions {name} received", f"{len(versions)} (last {versions[-1]})")
+        table.add_row(f"versions {name} received", f"{len(versions)} ({versions[0]}..{versions[-1]})")
     table.add_row("staleness of the batches (steps; median, max)",
                   f"{statistics.median(staleness)}, {max(staleness)}")
     table.add_row("mean reward, first 5 steps -> last 5", f"{statistics.mean(reward[:5]):.3f} -> "

@@ -91,7 +91,8 @@ class StepSignals:
         if self.drain is None or self.drain[0] != step or self.member.latest_gen <= self.group.gen:
             return None
         _, rank, worker = self.drain
-        return rank if self.member.roster(self.group.gen + 1).ranks[rank] != worker else None
+        roster = self.member.roster(self.group.gen + 1)  # the move, not a failure that replaced the rank
+        return rank if roster.ranks[rank] != worker and roster.reason.startswith(f"migrate rank {rank}") else None
 
     def take_drain(self) -> int:
         """The agreed migration happens now: forget it and return the rank that moves."""

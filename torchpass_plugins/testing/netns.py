@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import secrets
 import subprocess
 from typing import Any
 
@@ -29,7 +30,7 @@ def _ip(*args: str) -> None:
 class Hosts:
     def __init__(self, count: int) -> None:
         self.count = count
-        self.prefix = f"tp{os.getpid()}-{next(_serial)}"
+        self.prefix = f"tp{os.getpid()}-{next(_serial)}-{secrets.token_hex(2)}"  # unique, across containers too
         self.switch = f"{self.prefix}-sw"
         self._made: list[str] = []
 
@@ -63,13 +64,23 @@ class Hosts:
         return self
 
     def _add(self, namespace: str) -> None:
-        _ip("netns", "add", namespace)
+        try:
+            _ip("netns", "add", namespace)
+        except RuntimeError as exc:
+            if "permitted" in str(exc):
+                raise NamespacesUnavailable(f"network namespaces cannot be created here ({exc}): run the tests as "
+                                            "root with CAP_SYS_ADMIN (CI does)") from None
+            raise
         self._made.append(namespace)
 
     def __exit__(self, *exc: Any) -> None:
+        left = []
         for namespace in reversed(self._made):  # deleting a namespace deletes its end of every link
-            subprocess.run(["ip", "netns", "del", namespace], capture_output=True)
+            if subprocess.run(["ip", "netns", "del", namespace], capture_output=True).returncode:
+                left.append(namespace)
         self._made.clear()
+        if left:
+            raise RuntimeError(f"network namespaces left behind (delete with `ip netns del`): {left}")
 
     def popen(self, i: int, argv: list[str], **kwargs: Any) -> subprocess.Popen:
         """Run ``argv`` in host ``i`` (same files, environment and working directory; its own network)."""

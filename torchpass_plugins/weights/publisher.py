@@ -97,8 +97,7 @@ class WeightPublisher:
                 raise
             # The port is still held, by the process this one takes over from (a planned migration): the
             # accept thread binds it as soon as that process lets go; publications are kept meanwhile.
-        owner = weakref.ref(self)
-        os.register_at_fork(after_in_child=lambda: _forget_sockets_in_child(owner()))
+        _publishers.add(self)
         port = self._listener.getsockname()[1] if self._listener is not None else self._address[1]
         self.endpoint = f"tcp://{self._address[0]}:{port}"
         self._accepting = threading.Thread(target=self._accept_loop, name="weights-accept", daemon=True)
@@ -307,16 +306,21 @@ class WeightPublisher:
         self.close()
 
 
-def _forget_sockets_in_child(publisher: WeightPublisher | None) -> None:
-    """A process forked from the publisher's (a DataLoader worker) closes its copies of the publisher's
+_publishers: weakref.WeakSet[WeightPublisher] = weakref.WeakSet()
+
+
+def _forget_sockets_in_child() -> None:
+    """A process forked from a publisher's (a DataLoader worker) closes its copies of the publisher's
     sockets. Else, when the publisher's process dies, its orphaned workers keep the port (a successor
     cannot bind it) and the connections (a subscriber is not told its version was cut off) until they
     notice, seconds later. Closed, not shut down: the publisher's own copies are untouched."""
-    if publisher is None:
-        return
-    publisher._closed = True
-    for sock in ([publisher._listener] if publisher._listener is not None else []) + list(publisher._served):
-        sock.close()
+    for publisher in list(_publishers):
+        publisher._closed = True
+        for sock in ([publisher._listener] if publisher._listener is not None else []) + list(publisher._served):
+            sock.close()
+
+
+os.register_at_fork(after_in_child=_forget_sockets_in_child)
 
 
 _side_streams: dict[torch.device, torch.cuda.Stream] = {}

@@ -54,9 +54,14 @@ class WeightSubscriber:
         parameters and buffers, in place; returns its number. ``prefix``: load only the tensors whose names
         start with it, without it (``"policy."`` when the trainer's LightningModule holds the model as
         ``self.policy``)."""
-        version, state = self._receive_newer(-1 if self.version is None else self.version, timeout)
-        model.load_state_dict({name.removeprefix(prefix): tensor for name, tensor in state.items()
-                               if name.startswith(prefix)})
+        before = self.version
+        version, state = self._receive_newer(-1 if before is None else before, timeout)
+        try:
+            model.load_state_dict({name.removeprefix(prefix): tensor for name, tensor in state.items()
+                                   if name.startswith(prefix)})
+        except BaseException:
+            self.version = before  # not loaded: the next call takes the newest again
+            raise
         return version
 
     def _receive_newer(self, have: int, timeout: float | None) -> tuple[int, dict[str, torch.Tensor]]:

@@ -61,6 +61,9 @@ UNPROTECTED = (
 )
 
 
+_SHARDING = ("FSDP", "DEEPSPEED", "MEGATRON_LM")  # Accelerate's distributed types whose ranks hold shards
+
+
 class UnprotectedRunWarning(UserWarning):
     """The script runs without torchpass: a worker's loss ends the job."""
 
@@ -161,14 +164,18 @@ class TorchPass:
             self._adopt(self._pending)
             self._pending = None
         if self.publishing is not None:
-            self._start_publishing(models)
+            self._start_publishing(models, optimizers)
 
-    def _start_publishing(self, models: list[nn.Module]) -> None:
+    def _start_publishing(self, models: list[nn.Module], optimizers: list[Any]) -> None:
         if len(models) != 1:
             raise ConfigError(f"torchpass: publish_weights publishes the tracked model; {len(models)} are tracked")
         self._published = self.accelerator.unwrap_model(models[0])
         rt = self.runtime
-        self.publishing.check(self._published)
+        kind = str(getattr(self.accelerator.distributed_type, "value", self.accelerator.distributed_type))
+        self.publishing.check(self._published, sharded_by=kind if kind in _SHARDING else None)
+        for optimizer in optimizers:  # the version's copy is finished before any optimizer changes the weights
+            inner = getattr(optimizer, "optimizer", optimizer)
+            inner.register_step_pre_hook(lambda *_: self.publishing.before_optimizer_step())
         rt.leave_hooks.append(self.publishing.close)
         self.publishing.at_start(rt.rank, self.applied, self._published, rt.events)
 
@@ -251,8 +258,6 @@ class TorchPass:
                 "torchpass: the optimizer stepped before the gradients were reduced; compute them with "
                 "accelerator.backward(loss) (inside accelerator.accumulate(model) when accumulating)"
             )
-        if self.publishing is not None:
-            self.publishing.before_optimizer_step()
 
     def _after_optimizer_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         self._reduced = self._step_open = False
