@@ -50,10 +50,6 @@ def start_replica(i: int, endpoint: str, rollouts: Path, steps: int, events: Pat
         return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
 
-def endpoint_of(trainer: subprocess.Popen) -> str:
-    return trainer.args[trainer.args.index("--publish") + 1]
-
-
 def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
@@ -91,8 +87,8 @@ def run_all(console: Console, root: Path, rollouts: Path, args, env: dict, start
     run = root / "with-failures"
     trainer = start_trainer(run, rollouts, args.steps, spares=1, faults=f"kill@rank=0,step={args.kill_step}", env=env,
                             port=args.port)
-    events = run / "events.jsonl"
-    replicas = [start_replica(i, endpoint_of(trainer), rollouts, args.steps, events, env) for i in range(REPLICAS)]
+    events, endpoint = run / "events.jsonl", f"tcp://127.0.0.1:{args.port}"
+    replicas = [start_replica(i, endpoint, rollouts, args.steps, events, env) for i in range(REPLICAS)]
     started += [trainer, *replicas]
     halfway = rollouts / f"batch{args.steps | 1:05d}.pt"  # one of replica 1's, about halfway
     replica_killed, codes = None, None
@@ -106,7 +102,7 @@ def run_all(console: Console, root: Path, rollouts: Path, args, env: dict, start
             replica_killed = time.time()
             console.print("[bold red]SIGKILL[/] replica 1; restarted in 1 s")
             time.sleep(1.0)
-            replicas[1] = start_replica(1, endpoint_of(trainer), rollouts, args.steps, events, env)
+            replicas[1] = start_replica(1, endpoint, rollouts, args.steps, events, env)
             started.append(replicas[1])
         time.sleep(0.1)
     if trainer.poll() == 0:

@@ -247,11 +247,8 @@ class Runtime(SignalVerbs):
     def recover(self, plan: RecoveryPlan, cause: str) -> Any:
         """The recovery loop, one for every strategy. An exception that ends it ends this worker: every later
         collective raises it again (a caller may swallow it, as Lightning's SIGTERM check does)."""
-        moved = self.signals.replaced_by_drain(self.step)
-        if moved is not None:  # the agreed migration, whose worker left before this rank reached the boundary
-            cause = f"planned migration of rank {moved}"
         try:
-            return self._recover_loop(plan, cause)
+            return self._recover_loop(plan, self.signals.recovery_cause(self.step, cause))
         except BaseException as exc:
             self.failed_recovery = exc
             raise

@@ -94,6 +94,11 @@ class StepSignals:
         roster = self.member.roster(self.group.gen + 1)  # the move, not a failure that replaced the rank
         return rank if roster.ranks[rank] != worker and roster.reason.startswith(f"migrate rank {rank}") else None
 
+    def recovery_cause(self, step: int, cause: str) -> str:
+        """``cause``, unless the group was replaced by the migration agreed for this boundary."""
+        moved = self.replaced_by_drain(step)
+        return cause if moved is None else f"planned migration of rank {moved}"
+
     def take_drain(self) -> int:
         """The agreed migration happens now: forget it and return the rank that moves."""
         rank = self.drain[1]

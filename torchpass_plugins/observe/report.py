@@ -50,10 +50,9 @@ class Recovery:
 
 @dataclass
 class Subscriber:
-    """What the publisher sent one subscriber: versions, the newest of them, and the largest lag (versions
-    published and not yet sent to it when a send ended)."""
+    """What the publisher sent one subscriber: the newest version, the largest lag (versions published and
+    not yet sent to it when a send ended), and the seconds of each send (one per version)."""
 
-    versions: int = 0
     last: int = -1
     max_lag: int = 0
     seconds: list[float] = field(default_factory=list)
@@ -78,7 +77,7 @@ def summarize_weights(events: list[dict[str, Any]]) -> Weights | None:
             weights.skipped += 1
         elif e["event"] == "weights_sent":
             sub = weights.subscribers.setdefault(e["subscriber"], Subscriber())
-            sub.versions, sub.last = sub.versions + 1, max(sub.last, e["version"])
+            sub.last = max(sub.last, e["version"])
             sub.max_lag = max(sub.max_lag, e["newest"] - e["version"])
             sub.seconds.append(e["seconds"])
     return weights if weights.published or weights.skipped else None
@@ -209,7 +208,8 @@ def render_weights(weights: Weights, console: Console) -> None:
     for column in ("Subscriber", "Versions", "Newest", "Max lag (versions)", "Median send (s)"):
         table.add_column(column)
     for name, sub in sorted(weights.subscribers.items()):
-        table.add_row(name, str(sub.versions), str(sub.last), str(sub.max_lag), f"{statistics.median(sub.seconds):.4f}")
+        table.add_row(name, str(len(sub.seconds)), str(sub.last), str(sub.max_lag),
+                      f"{statistics.median(sub.seconds):.4f}")
     console.print(table)
 
 

@@ -276,9 +276,8 @@ class WeightPublisher:
             if copy.crc is None:
                 copy.crc = crc
             lines.send({"crc32": copy.crc})
-            newest = self._newest  # (the lag: versions served since this one was asked for)
             self.events.emit("weights_sent", subscriber=subscriber, version=copy.version, bytes=copy.buffer.numel(),
-                             seconds=time.perf_counter() - started, newest=max(copy.version, newest.version))
+                             seconds=time.perf_counter() - started, newest=self._newest.version)  # (the lag)
         finally:
             with self._changed:
                 copy.readers -= 1

@@ -51,9 +51,8 @@ class RankZeroPublishing:
             self._publish(module, step, events, wait=False, fence_later=False)
 
     def at_boundary(self, rank: int, step: int, module: torch.nn.Module, events: Any) -> None:
-        """Start copying the weights of this boundary (every N-th, and the first a process holds rank 0 at);
-        :meth:`before_optimizer_step` finishes the copy."""
-        if rank == 0 and (step % self.every_n_steps == 0 or self.publisher is None):
+        """Start copying the weights of every N-th boundary; :meth:`before_optimizer_step` finishes the copy."""
+        if rank == 0 and step % self.every_n_steps == 0:
             self._publish(module, step, events, wait=False, fence_later=True)
 
     def before_optimizer_step(self) -> None:

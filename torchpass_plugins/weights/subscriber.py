@@ -38,7 +38,6 @@ class WeightSubscriber:
         self.events = events or EventLog(None)
         self.version: int | None = None  # the newest version received
         self.discarded = 0  # versions whose checksum did not match, dropped and asked for again
-        self.connections_lost = 0  # connections that broke (a version on its way is dropped and asked for again)
 
     def latest(self, timeout: float | None = None) -> tuple[int, dict[str, torch.Tensor]]:
         """The newest version the publisher has (waiting up to ``timeout`` seconds for a first one)."""
@@ -94,7 +93,6 @@ class WeightSubscriber:
                 raise
             except (OSError, ConnectionError, ValueError) as exc:
                 if self._lines is not None:  # a connection that was up: lost (a version cut off is dropped)
-                    self.connections_lost += 1
                     self.events.emit("weights_connection_lost", error=str(exc) or type(exc).__name__)
                 self._disconnect()
                 time.sleep(self._retry_s)
