@@ -150,7 +150,7 @@ def test_losing_the_coordinating_node_during_a_recovery_moves_the_coordinator_an
         job = start(tmp_path / "job", nproc=1, spares=2, nnodes=6, faults="kill@rank=2,step=6,phase=backward",
                     train_args=(*train, "--sleep-per-step", "0.2"),
                     launch_args=("--heartbeat-timeout", "3", "--rdzv-backend", "etcd", "--rdzv-endpoint",
-                                 ",".join(etcd.endpoints), "--rdzv-id", "failover"))
+                                 ",".join(etcd.endpoints), "--rdzv-id", "failover"), node_0_first="coordinator_elected")
         try:
             job.wait_until(lambda: job.events("failure_detected"), "rank 2's loss to be handled")
             assert [e["node"] for e in job.events("coordinator_elected")] == [0]

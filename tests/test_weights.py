@@ -204,6 +204,56 @@ _PUBLISHER = textwrap.dedent(f"""
 """)
 
 
+_ENDS_TRAINING = textwrap.dedent("""
+    import sys, torch
+    from torchpass_plugins.observe.events import EventLog
+    from torchpass_plugins.weights.rank_zero import RankZeroPublishing
+    publishing, model = RankZeroPublishing(sys.argv[1], every_n_steps=1, dtype=None), torch.nn.Linear(64, 64)
+    publishing.at_start(0, 0, model, EventLog(None))
+    sys.stdin.readline()  # the subscriber has version 0
+    with torch.no_grad():
+        model.weight.fill_(3.0)
+    publishing.at_end(0, 7, model, EventLog(None))  # and the script ends here
+""")
+
+
+def test_the_trained_weights_reach_a_connected_subscriber_although_the_process_ends_at_once(monkeypatch):
+    monkeypatch.setenv(wire.TOKEN_VARIABLE, TOKEN)
+    endpoint = f"tcp://127.0.0.1:{service_port()}"
+    trainer = subprocess.Popen([sys.executable, "-c", _ENDS_TRAINING, endpoint], stdin=subprocess.PIPE, text=True)
+    try:
+        subscriber = WeightSubscriber(endpoint, token=TOKEN, retry_s=0.05)
+        assert subscriber.latest(timeout=60)[0] == 0
+        trainer.stdin.write("go\n")
+        trainer.stdin.flush()
+        time.sleep(1.0)  # asks only after the script has ended training
+        version, state = subscriber.wait_newer(0, timeout=30)
+        assert version == 7 and torch.equal(state["weight"], torch.full((64, 64), 3.0))
+        assert trainer.wait(timeout=30) == 0  # and then the process ends
+    finally:
+        trainer.kill()
+        trainer.wait()
+
+
+def test_a_subscriber_that_never_asks_holds_the_end_of_training_back_only_so_long(tmp_path, monkeypatch):
+    from torchpass_plugins.observe.events import EventLog, read_events
+    from torchpass_plugins.weights import rank_zero
+
+    monkeypatch.setenv(wire.TOKEN_VARIABLE, TOKEN)
+    monkeypatch.setattr(rank_zero, "LAST_DELIVERY_S", 1.0)
+    events = EventLog(tmp_path / "events.jsonl", source="rank0")
+    publishing = rank_zero.RankZeroPublishing("tcp://127.0.0.1:0", every_n_steps=1, dtype=None)
+    publishing.at_start(0, 0, torch.nn.Linear(4, 4), events)
+    silent = _RawSubscriber(publishing.publisher.endpoint)  # connected, never asks
+    publishing.at_end(0, 3, torch.nn.Linear(4, 4), events)
+    [delivery] = [t for t in threading.enumerate() if t.name == "weights-last-delivery"]
+    assert not delivery.daemon  # the interpreter waits for it before it exits
+    delivery.join(timeout=30)
+    [undelivered] = [e for e in read_events(tmp_path) if e["event"] == "weights_undelivered"]
+    assert undelivered["version"] == 3 and len(undelivered["subscribers"]) == 1
+    assert silent.sock.recv(1) == b""  # then the publisher closed
+
+
 FOLLOWER = Path(__file__).parent / "scripts" / "weights_follower.py"
 JOB_STEPS = 12
 

@@ -51,6 +51,14 @@ class _Copy:
 
 
 @dataclass
+class _Peer:
+    """A subscriber's connection: its name once it said it, the newest version it was sent whole."""
+
+    name: str
+    sent: int = -1
+
+
+@dataclass
 class Publication:
     """What one ``publish`` call did: the version, or ``skipped``; the seconds the caller spent in it."""
 
@@ -89,7 +97,7 @@ class WeightPublisher:
         self.events = events or EventLog(None)
         self._address = wire.address(endpoint)
         self._listener: socket.socket | None = None
-        self._served: set[socket.socket] = set()
+        self._served: dict[socket.socket, _Peer] = {}
         try:
             self._listener = socket.create_server(self._address, backlog=64)
         except OSError as exc:
@@ -110,8 +118,9 @@ class WeightPublisher:
         than the last one. With ``fence_later`` (``state`` a module) the parameters' copy is only started,
         and :meth:`fence` must be called before the optimizer changes them (buffers, which a forward pass may
         change, are copied at once); otherwise the copy is complete, and the version served, when this
-        returns. When every copy is newest, being read or being staged, the version is skipped, unless
-        ``wait`` (for the last version of a run): then it waits for a copy to be free."""
+        returns. When every copy is newest, being read or being staged, the version is skipped (it may be
+        published again), unless ``wait`` (for the last version of a run): then it waits for a copy to be
+        free."""
         started = time.perf_counter()
         if version <= self._last_version:
             raise ValueError(f"weights version {version} is not newer than the last published, {self._last_version}")
@@ -122,17 +131,22 @@ class WeightPublisher:
         if isinstance(state, torch.nn.Module):
             state = state.state_dict()
         entries, nbytes = wire.layout(state, self._dtype)  # refuses what cannot be published, before anything
-        self._last_version = version
         target = self._free_copy(entries, nbytes, wait)
         if target is None:
             self.events.emit("weights_skipped", version=version, reason="every copy is newest or being read")
             return Publication(version, 0, time.perf_counter() - started, skipped=True)
+        self._last_version = version
         target.version, target.crc = version, None
         self._staging = self._start_staging(target, state, later)
         target.stall_s = time.perf_counter() - started
         if not fence_later:
             self.fence()
         return Publication(version, target.buffer.numel(), target.stall_s)
+
+    @property
+    def last_version(self) -> int:
+        """The newest version served or being staged (one that was skipped does not count); -1 before any."""
+        return self._last_version
 
     def fence(self) -> float:
         """Finish the version being staged (before its sources change) and serve it; the seconds it took."""
@@ -146,6 +160,7 @@ class WeightPublisher:
         if staging.idle is not None and not staging.idle.finish(_GRACE_S):
             with self._changed:  # the idle thread may still write into it: never serve or reuse this copy
                 self._copies.remove(copy)
+                self._last_version = self._newest.version if self._newest is not None else -1
             self.events.emit("weights_skipped", version=copy.version, reason="the copy was not done in time")
             return time.perf_counter() - started
         copy.stall_s += time.perf_counter() - started
@@ -213,13 +228,13 @@ class WeightPublisher:
                 time.sleep(0.2)
         while not self._closed:
             try:
-                sock, _ = self._listener.accept()
+                sock, peer = self._listener.accept()
             except OSError:
                 return
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
             with self._changed:
-                self._served.add(sock)
+                self._served[sock] = _Peer("{}:{}".format(*peer[:2]))
             threading.Thread(target=self._serve, args=(sock,), name="weights-serve", daemon=True).start()
 
     def _serve(self, sock: socket.socket) -> None:
@@ -236,18 +251,20 @@ class WeightPublisher:
                 return
             lines.send({"ok": True, "proof": wire.answer(self._token, wire.PUBLISHER + str(hello.get("nonce", "")))})
             sock.settimeout(_SEND_TIMEOUT_S)  # (a receive waits no longer either: requests come at once)
-            name = str(hello.get("name", ""))[:200] or "{}:{}".format(*sock.getpeername()[:2])
+            peer = self._served[sock]
+            peer.name = str(hello.get("name", ""))[:200] or peer.name
             while not self._closed:
                 request = lines.receive()
-                self._answer(lines, int(request["have"]), float(request["wait"]), name)
+                self._answer(lines, int(request["have"]), float(request["wait"]), peer)
         except (OSError, ConnectionError, ValueError, KeyError, TypeError):
             return  # the subscriber left, stalled or spoke nonsense: its copy (if any) was freed by _answer
         finally:
             with self._changed:
-                self._served.discard(sock)
+                self._served.pop(sock, None)
+                self._changed.notify_all()
             sock.close()
 
-    def _answer(self, lines: wire.Lines, have: int, wait: float, subscriber: str) -> None:
+    def _answer(self, lines: wire.Lines, have: int, wait: float, peer: _Peer) -> None:
         deadline = time.monotonic() + wait
         with self._changed:
             while (self._newest is None or self._newest.version <= have) and not self._closed:
@@ -276,12 +293,27 @@ class WeightPublisher:
             if copy.crc is None:
                 copy.crc = crc
             lines.send({"crc32": copy.crc})
-            self.events.emit("weights_sent", subscriber=subscriber, version=copy.version, bytes=copy.buffer.numel(),
+            peer.sent = copy.version  # (the finally below notifies deliver_newest)
+            self.events.emit("weights_sent", subscriber=peer.name, version=copy.version, bytes=copy.buffer.numel(),
                              seconds=time.perf_counter() - started, newest=self._newest.version)  # (the lag)
         finally:
             with self._changed:
                 copy.readers -= 1
                 self._changed.notify_all()
+
+    def deliver_newest(self, timeout: float) -> list[str]:
+        """Wait until every subscriber connected now has been sent the newest version whole (or has left),
+        at most ``timeout`` seconds; the names of those that have not. At the end of training: the process
+        that publishes may exit right after its last publication, which would cut that version off."""
+        deadline = time.monotonic() + timeout
+        with self._changed:
+            while True:
+                newest = self._newest.version if self._newest is not None else -1
+                behind = [peer.name for peer in self._served.values() if peer.sent < newest]
+                left = deadline - time.monotonic()
+                if not behind or self._closed or left <= 0:
+                    return behind
+                self._changed.wait(left)
 
     def close(self) -> None:
         """Stop serving and let go of the port; versions being sent are cut off (their subscribers discard

@@ -4,6 +4,7 @@ call it at the same points of a step."""
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import torch
@@ -13,6 +14,7 @@ from torchpass_plugins.weights import wire
 from torchpass_plugins.weights.publisher import WeightPublisher
 
 DTYPES = {None: None, "bfloat16": torch.bfloat16, "float16": torch.float16}
+LAST_DELIVERY_S = 30.0  # how long the process may outlive training to hand the last version to its subscribers
 
 
 class RankZeroPublishing:
@@ -31,7 +33,7 @@ class RankZeroPublishing:
         wire.address(endpoint)  # a malformed endpoint is refused before training
         self.endpoint, self.every_n_steps, self.dtype = endpoint, every_n_steps, DTYPES[dtype]
         self.publisher: WeightPublisher | None = None
-        self._last = -1
+        self._delivering = False
 
     def check(self, module: torch.nn.Module, sharded_by: str | None = None) -> None:
         """Before training, on every rank (each may come to hold rank 0): what publishing needs."""
@@ -60,17 +62,29 @@ class RankZeroPublishing:
             self.publisher.fence()
 
     def at_end(self, rank: int, step: int, module: torch.nn.Module, events: Any) -> None:
+        """The trained weights (unless the last boundary's version, if it was not skipped, is them), waiting
+        for a free copy. The process goes on (to the last barrier, to exit) while they are sent: a thread
+        that is not a daemon, so the interpreter waits for it before exiting, hands them to every subscriber
+        connected (at most ``LAST_DELIVERY_S``), then closes the publisher."""
         self.before_optimizer_step()  # a version staged at a boundary that ended training
-        if rank == 0:  # the trained weights, not skipped
-            self._publish(module, step, events, wait=True, fence_later=False)
+        if rank != 0 or self._delivering:
+            return
+        self._publish(module, step, events, wait=True, fence_later=False)
+        self._delivering = True
+        threading.Thread(target=self._deliver_last, args=(events,), name="weights-last-delivery").start()
+
+    def _deliver_last(self, events: Any) -> None:
+        behind = self.publisher.deliver_newest(LAST_DELIVERY_S)
+        if behind:
+            events.emit("weights_undelivered", version=self.publisher.last_version, subscribers=behind,
+                        waited_s=LAST_DELIVERY_S)
+        self.publisher.close()
 
     def _publish(self, module: torch.nn.Module, step: int, events: Any, wait: bool, fence_later: bool) -> None:
-        if step <= self._last:
-            return
         if self.publisher is None:
             self.publisher = WeightPublisher(self.endpoint, dtype=self.dtype, events=events)
-        self._last = step
-        self.publisher.publish(module, step, wait=wait, fence_later=fence_later)
+        if step > self.publisher.last_version:
+            self.publisher.publish(module, step, wait=wait, fence_later=fence_later)
 
     def close(self) -> None:
         if self.publisher is not None:

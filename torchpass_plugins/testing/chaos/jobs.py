@@ -204,8 +204,11 @@ def start(
     faults: str = "",
     nnodes: int = 1,
     script: Path = TRAIN,
+    node_0_first: str | None = None,
 ) -> Job:
-    """Start the agents of one job (``nnodes`` simulated nodes on this machine)."""
+    """Start the agents of one job (``nnodes`` simulated nodes on this machine). ``node_0_first``: an event
+    node 0 must have logged before the other nodes start (``coordinator_elected``: it coordinates; on a busy
+    machine a later node's agent may otherwise win the election)."""
     env = {**os.environ, **SAME_ROUNDING, "TORCHPASS_FAULTS": faults, "TORCHPASS_JOIN_TOKEN": "test-token",
            "PYTHONFAULTHANDLER": "1"}  # a hung job's workers print every thread's stack on SIGABRT
     env.pop(WORKER_VARIABLE, None)
@@ -227,6 +230,9 @@ def start(
         job.logs.append(log)
         if node == 0 and nnodes > 1:
             time.sleep(0.5)  # node 0 hosts the store
+            if node_0_first is not None:
+                job.wait_until(lambda: any(e["source"] == "agent0" for e in job.events(node_0_first)),
+                               f"node 0's {node_0_first}")
     return job
 
 
