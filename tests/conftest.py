@@ -6,7 +6,7 @@ import shutil
 
 import pytest
 import torch
-from jobs import Job, run
+from jobs import Job, free_port, run
 
 from torchpass_plugins.testing.chaos.oracle import differences
 
@@ -52,3 +52,27 @@ def assert_bit_exact(job: Job, codes: list[int], ref: Job, world: int = 3, steps
         assert not found, "differs from the failure-free run:\n" + "\n".join(found[:20])
         assert job.applied(rank) == list(range(steps)), f"rank {rank} applied {job.applied(rank)}"
     assert job.leftovers() == []
+
+
+@pytest.fixture(scope="module")
+def s3_endpoint():
+    """A real S3-compatible server (moto) on 127.0.0.1, with one bucket."""
+    import s3fs
+    from moto.server import ThreadedMotoServer
+
+    port = free_port()
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    endpoint = f"http://127.0.0.1:{port}"
+    s3fs.S3FileSystem(endpoint_url=endpoint, key="test", secret="test").mkdir("snapshots")
+    yield endpoint
+    server.stop()
+
+
+@pytest.fixture
+def s3_env(s3_endpoint, monkeypatch):
+    """Credentials and endpoint the way a user's job gets them: environment variables botocore reads."""
+    for name, value in {"AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test", "AWS_DEFAULT_REGION": "us-east-1",
+                        "AWS_ENDPOINT_URL": s3_endpoint}.items():
+        monkeypatch.setenv(name, value)
+    return s3_endpoint

@@ -12,11 +12,10 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-import s3fs
 import torch
 import torch.distributed.checkpoint as dcp
 from conftest import STEPS
-from jobs import free_port, run
+from jobs import run
 
 from torchpass_plugins.errors import ConfigError
 from torchpass_plugins.integrations.lightning.callback import _refuse_another_jobs
@@ -55,29 +54,6 @@ def _read(store: SnapshotStore, manifest: Manifest) -> dict:
 
 def _distcp(store: SnapshotStore, step: int, rank: int = 0) -> str:
     return f"{store.step_dir(step)}/__{rank}_0.distcp"
-
-
-@pytest.fixture(scope="module")
-def s3_endpoint():
-    """A real S3-compatible server (moto) on 127.0.0.1, with one bucket."""
-    from moto.server import ThreadedMotoServer
-
-    port = free_port()
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    endpoint = f"http://127.0.0.1:{port}"
-    s3fs.S3FileSystem(endpoint_url=endpoint, key="test", secret="test").mkdir("snapshots")
-    yield endpoint
-    server.stop()
-
-
-@pytest.fixture
-def s3_env(s3_endpoint, monkeypatch):
-    """Credentials and endpoint the way a user's job gets them: environment variables botocore reads."""
-    for name, value in {"AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test", "AWS_DEFAULT_REGION": "us-east-1",
-                        "AWS_ENDPOINT_URL": s3_endpoint}.items():
-        monkeypatch.setenv(name, value)
-    return s3_endpoint
 
 
 @pytest.fixture(params=["file", "memory", "s3"])

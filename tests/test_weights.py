@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 from jobs import Job, run, service_port
+from scripts.weights_follower import digest
 
 from torchpass_plugins.testing.chaos.oracle import differences
 from torchpass_plugins.weights import TokenRefused, WeightPublisher, WeightSubscriber, wire
@@ -254,11 +255,103 @@ def test_a_subscriber_that_never_asks_holds_the_end_of_training_back_only_so_lon
     assert silent.sock.recv(1) == b""  # then the publisher closed
 
 
+@pytest.fixture(params=["file", "s3"])
+def storage_url(request, tmp_path):
+    if request.param == "s3":
+        request.getfixturevalue("s3_env")
+        return f"s3://snapshots/weights-{tmp_path.name}"
+    return str(tmp_path / "weights")
+
+
+def test_a_subscriber_that_cannot_reach_the_publisher_takes_the_newest_version_from_storage(tmp_path, storage_url):
+    """The publisher writes its newest version to storage as it goes; once it is gone, a subscriber that
+    reaches nobody for ``fallback_s`` takes the newest version from there, whole (a file changed since is
+    never handed out); storage keeps the newest two versions."""
+    from torchpass_plugins.observe.events import EventLog, read_events
+    from torchpass_plugins.weights.storage import VersionStore
+
+    with WeightPublisher("tcp://127.0.0.1:0", token=TOKEN, storage=storage_url,
+                         events=EventLog(tmp_path / "events.jsonl", source="rank0")) as publisher:
+        for version in range(5):
+            publisher.publish(_state(version), version, wait=True)
+            deadline = time.monotonic() + 30
+            while version not in {e["version"] for e in read_events(tmp_path) if e["event"] == "weights_stored"}:
+                assert time.monotonic() < deadline, read_events(tmp_path)
+                time.sleep(0.05)
+    subscriber = WeightSubscriber(publisher.endpoint, token=TOKEN, storage=storage_url, fallback_s=0.5, retry_s=0.05)
+    started = time.monotonic()
+    version, state = subscriber.latest(timeout=30)
+    assert version == 4 and time.monotonic() - started >= 0.5
+    _assert_is(state, 4)
+    store = VersionStore(storage_url)
+    assert sorted(p.rsplit("/", 1)[-1] for p in store.fs.ls(store.root, detail=False)) == [
+        "LATEST", "v000000000003.weights", "v000000000004.weights"]
+    path = f"{store.root}/v000000000004.weights"
+    data = bytearray(store.fs.cat_file(path))
+    data[len(data) // 2] ^= 0xFF
+    store.fs.pipe_file(path, bytes(data))
+    with pytest.raises(TimeoutError):
+        WeightSubscriber(publisher.endpoint, token=TOKEN, storage=storage_url, fallback_s=0.1, retry_s=0.05).latest(2)
+
+
+def _full(version: int) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(version)
+    return {"w": torch.randn(10, 4, generator=generator), "b": torch.randn(10, generator=generator),
+            "running": torch.full((3,), float(version))}
+
+
+def test_shards_of_one_step_are_assembled_and_a_step_some_rank_did_not_send_is_never_published(monkeypatch):
+    """Rank 0's collector follows two other ranks' shard publishers; each version it publishes is every
+    parameter's shards of that one step concatenated (10 rows over 3 ranks: 4, 4, 2), with rank 0's
+    unsharded tensors; a step whose shards one rank skipped is passed over for the next."""
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    from torchpass_plugins.observe.events import EventLog
+    from torchpass_plugins.weights.sharded import ShardCollector, shard_key
+
+    monkeypatch.setenv(wire.TOKEN_VARIABLE, TOKEN)
+    store = dist.HashStore()
+    runtime = SimpleNamespace(world_size=3, member=SimpleNamespace(thread_store=lambda: store))
+    ranks = [WeightPublisher("tcp://127.0.0.1:0") for _ in range(2)]
+    for rank, publisher in enumerate(ranks, start=1):
+        store.set(shard_key(rank), publisher.endpoint)
+    with WeightPublisher("tcp://127.0.0.1:0") as publisher:
+        collector = ShardCollector(runtime, publisher, {"w", "b"}, EventLog(None))
+        follower = WeightSubscriber(publisher.endpoint)
+        received = {}
+        try:
+            for version in range(8):
+                full = _full(version)
+                shards = [{name: full[name].chunk(3)[rank] for name in ("b", "w")} for rank in range(3)]
+                for rank, shard_publisher in enumerate(ranks, start=1):
+                    if (rank, version) != (2, 3):
+                        shard_publisher.publish(shards[rank], version, wait=True)
+                collector.add(0, version, {**shards[0], "running": full["running"]})
+                if version == 3:
+                    assert not collector.wait_published(3, 1.0)
+                    continue
+                assert collector.wait_published(version, 30)
+                got, state = follower.wait_newer(max(received, default=-1), timeout=30)
+                received[got] = state
+        finally:
+            collector.close()
+            for shard_publisher in ranks:
+                shard_publisher.close()
+    assert 3 not in received and set(received) == set(range(8)) - {3}
+    for version, state in received.items():
+        assert list(state) == ["b", "w", "running"]
+        for name, tensor in _full(version).items():
+            assert torch.equal(state[name], tensor), (version, name)
+
+
 FOLLOWER = Path(__file__).parent / "scripts" / "weights_follower.py"
 JOB_STEPS = 12
 
 
-def _job_with_a_follower(run_dir: Path, nproc: int, spares: int, faults: str = "") -> tuple[Job, dict[int, str]]:
+def _job_with_a_follower(run_dir: Path, nproc: int, spares: int, faults: str = "",
+                         train_args: tuple[str, ...] = ()) -> tuple[Job, dict[int, str]]:
     """The demo job publishing every step to a follower process; what the follower received."""
     endpoint = f"tcp://127.0.0.1:{service_port()}"
     received = run_dir / "received.txt"
@@ -266,7 +359,7 @@ def _job_with_a_follower(run_dir: Path, nproc: int, spares: int, faults: str = "
     follower = subprocess.Popen([sys.executable, str(FOLLOWER), endpoint, str(received), "--final", str(JOB_STEPS)])
     try:
         job, codes = run(run_dir / "job", nproc=nproc, spares=spares, faults=faults,
-                         train_args=("--max-steps", str(JOB_STEPS), "--publish-weights", endpoint))
+                         train_args=("--max-steps", str(JOB_STEPS), "--publish-weights", endpoint, *train_args))
         assert codes == [0], job.output()[-3000:]
         follower.wait(timeout=60)
     finally:
@@ -275,7 +368,7 @@ def _job_with_a_follower(run_dir: Path, nproc: int, spares: int, faults: str = "
     lines = [line.split() for line in received.read_text().splitlines()] if received.exists() else []
     versions = [int(version) for version, _ in lines]
     assert versions == sorted(set(versions)) and versions, f"versions out of order or none: {versions}"
-    return job, {int(version): digest for version, digest in lines}
+    return job, {int(version): sha for version, sha in lines}
 
 
 @pytest.mark.timeout(400)
@@ -289,8 +382,8 @@ def test_logical_rank_0_killed_mid_publication_is_replaced_and_the_versions_go_o
     assert (failure["rank"], failure["code"]) == (0, -9)
     after = [e["version"] for e in job.events("weights_published") if e["time"] > failure["time"]]
     assert after and max(received) >= JOB_STEPS - 1  # the spare that took rank 0 over went on publishing
-    for version, digest in received.items():  # every version received is the failure-free run's, bit for bit
-        assert digest == published.get(version, digest), f"version {version} differs from the failure-free run's"
+    for version, sha in received.items():  # every version received is the failure-free run's, bit for bit
+        assert sha == published.get(version, sha), f"version {version} differs from the failure-free run's"
     assert set(received) & set(published), "no version received in both runs"
     for rank in range(3):  # publishing changes nothing of the training
         assert differences(reference.state(rank), job.state(rank)) == [], f"rank {rank}"
@@ -440,3 +533,25 @@ def test_a_process_forked_from_the_publishers_keeps_neither_its_port_nor_its_con
         if worker is not None:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(worker, signal.SIGKILL)
+
+
+@pytest.mark.timeout(500)
+@pytest.mark.xdist_group("weights-jobs")
+def test_a_sharded_job_publishes_full_weights_through_the_loss_of_rank_0_and_of_a_rank_sending_its_shards(
+        tmp_path, monkeypatch):
+    """``torchpass_fsdp``: rank 0 is SIGKILLed while it sends a version to the follower, then rank 1 while it
+    sends its shards to rank 0. Every version the follower receives is the full weights of that step, bit for
+    bit the failure-free run's; the last is the trained weights; the training is the failure-free run's."""
+    monkeypatch.setenv(wire.TOKEN_VARIABLE, TOKEN)
+    sharded = ("--strategy", "torchpass_fsdp")
+    reference, published = _job_with_a_follower(tmp_path / "failure-free", nproc=3, spares=0, train_args=sharded)
+    job, received = _job_with_a_follower(tmp_path / "killed", nproc=5, spares=2, train_args=sharded,
+                                         faults="kill@rank=0,step=4,phase=publish;kill@rank=1,step=8,phase=publish")
+    assert sorted((e["rank"], e["code"]) for e in job.events("failure_detected")) == [(0, -9), (1, -9)]
+    assert published[JOB_STEPS] == received[JOB_STEPS] == digest(job.final()["weights"])  # the trained weights
+    assert len(received) >= 3, received  # the first, the last and some on the way (others may be passed over)
+    for version, sha in received.items():
+        assert sha == published.get(version, sha), f"version {version} differs from the failure-free run's"
+    for rank in range(3):
+        assert differences(reference.state(rank), job.state(rank)) == [], f"rank {rank}"
+

@@ -64,6 +64,8 @@ class WeightsConfig:
     every_n_steps: int = setting(1, "a version every N optimizer steps (and the last one)")
     dtype: Optional[str] = setting(None, "cast floating tensors as they are published (null: as trained)",
                                    choices=(None, "bfloat16", "float16"))
+    storage: Optional[str] = setting(None, "a path or fsspec URL where the newest version is also written, for "
+                                     "subscribers that cannot reach the endpoint (null: none)")
 
 
 @dataclass
@@ -225,7 +227,8 @@ CALLBACK = ("torchpass_plugins.TorchPassCallback",
             {"snapshot_dir": "snapshots.dir", "snapshot_every_n_steps": "snapshots.every_n_steps",
              "snapshot_keep": "snapshots.keep", "snapshot_when_busy": "snapshots.when_busy",
              "snapshot_timeout": "snapshots.timeout_s", "publish_weights": "weights.publish",
-             "publish_every_n_steps": "weights.every_n_steps", "publish_dtype": "weights.dtype"})
+             "publish_every_n_steps": "weights.every_n_steps", "publish_dtype": "weights.dtype",
+             "publish_storage": "weights.storage"})
 
 
 def settings(cls: type, prefix: str = "") -> Iterator[tuple[str, Field, type]]:

@@ -17,7 +17,8 @@ import torch
 _side_streams: dict[torch.device, torch.cuda.Stream] = {}
 
 
-def _side_stream(device: torch.device) -> torch.cuda.Stream:
+def side_stream(device: torch.device) -> torch.cuda.Stream:
+    """One stream per device for copies to the host, beside the training stream."""
     stream = _side_streams.get(device)
     if stream is None:
         stream = _side_streams[device] = torch.cuda.Stream(device)
@@ -43,7 +44,7 @@ def to_host(tensors: Sequence[torch.Tensor], into: Sequence[torch.Tensor | None]
         if not t.is_cuda:
             target.copy_(t)
             continue
-        stream = _side_stream(t.device)
+        stream = side_stream(t.device)
         if t.device not in pending:
             stream.wait_stream(torch.cuda.current_stream(t.device))
         with torch.cuda.stream(stream):

@@ -22,15 +22,16 @@ import threading
 import time
 import weakref
 import zlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from torchpass_plugins.core.idle_copy import IdleCopy, pieces
 from torchpass_plugins.observe.events import EventLog
 from torchpass_plugins.testing import faults
 from torchpass_plugins.weights import wire
+from torchpass_plugins.weights.staging import Staging
+from torchpass_plugins.weights.storage import VersionStore, keep_storing
 
 CHUNK = 4 << 20  # bytes sent (and checksummed) at a time
 _GRACE_S = 0.05  # how long the fence waits for a piece the idle thread holds before it gives the version up
@@ -68,21 +69,17 @@ class Publication:
     skipped: bool = False
 
 
-@dataclass
-class _Staging:
-    copy: _Copy
-    idle: IdleCopy | None
-    device_done: list[torch.cuda.Event] = field(default_factory=list)
-
-
 class WeightPublisher:
     """Publishes versions of a state dict at ``endpoint`` (``tcp://HOST:PORT``; port 0: any free one, see
     :attr:`endpoint`). Subscribers prove ``token`` (or ``TORCHPASS_WEIGHTS_TOKEN``); ``dtype`` casts
     floating tensors as they are copied (``torch.bfloat16`` halves the bytes). ``copies`` bounds the host
-    memory: one copy per version being staged, newest or being read."""
+    memory: one copy per version being staged, newest or being read. ``storage`` (a path or fsspec URL,
+    with ``storage_options``): the newest version is also written there, in the background, for subscribers
+    that cannot reach this endpoint (:mod:`~torchpass_plugins.weights.storage`)."""
 
     def __init__(self, endpoint: str, token: str | None = None, dtype: torch.dtype | None = None, copies: int = 3,
-                 events: EventLog | None = None) -> None:
+                 events: EventLog | None = None, storage: str | None = None,
+                 storage_options: dict | None = None) -> None:
         if copies < 2:
             raise ValueError("a publisher needs at least 2 copies: the newest and one to stage the next into")
         self._token = wire.token_or_env(token)
@@ -90,7 +87,7 @@ class WeightPublisher:
         self._copies: list[_Copy] = []
         self._max_copies = copies
         self._newest: _Copy | None = None
-        self._staging: _Staging | None = None
+        self._staging: Staging | None = None
         self._changed = threading.Condition()
         self._closed = False
         self._last_version = -1
@@ -110,6 +107,9 @@ class WeightPublisher:
         self.endpoint = f"tcp://{self._address[0]}:{port}"
         self._accepting = threading.Thread(target=self._accept_loop, name="weights-accept", daemon=True)
         self._accepting.start()
+        if storage is not None:
+            threading.Thread(target=keep_storing, args=(self, VersionStore(storage, storage_options)),
+                             name="weights-storage", daemon=True).start()
 
     # -- the training thread --------------------------------------------------------------------------
     def publish(self, state: dict[str, torch.Tensor] | torch.nn.Module, version: int, wait: bool = False,
@@ -137,7 +137,7 @@ class WeightPublisher:
             return Publication(version, 0, time.perf_counter() - started, skipped=True)
         self._last_version = version
         target.version, target.crc = version, None
-        self._staging = self._start_staging(target, state, later)
+        self._staging = Staging.start(target, target.buffer, target.entries, state, later)
         target.stall_s = time.perf_counter() - started
         if not fence_later:
             self.fence()
@@ -154,10 +154,8 @@ class WeightPublisher:
             return 0.0
         started = time.perf_counter()
         staging, self._staging = self._staging, None
-        for event in staging.device_done:
-            event.synchronize()
-        copy = staging.copy
-        if staging.idle is not None and not staging.idle.finish(_GRACE_S):
+        copy = staging.owner
+        if not staging.finish(_GRACE_S):
             with self._changed:  # the idle thread may still write into it: never serve or reuse this copy
                 self._copies.remove(copy)
                 self._last_version = self._newest.version if self._newest is not None else -1
@@ -170,29 +168,6 @@ class WeightPublisher:
             self._changed.notify_all()
         self.events.emit("weights_published", version=copy.version, bytes=copy.buffer.numel(), stall_s=copy.stall_s)
         return time.perf_counter() - started
-
-    def _start_staging(self, target: _Copy, state: dict[str, torch.Tensor], later: set[int]) -> _Staging:
-        """Tensors in ``later`` (by address: the parameters) are copied in the background, host ones of the
-        published dtype by the idle thread, device ones on a side stream into pinned memory; the rest (the
-        buffers, which the next forward pass may change, and casts) is copied here, before this returns."""
-        idle_sources, device_done = [], []
-        with torch.no_grad():
-            for entry, tensor in zip(target.entries, state.values(), strict=True):
-                tensor, dst = tensor.detach(), wire.view(target.buffer, entry)
-                if (tensor.data_ptr() in later and tensor.device.type == "cpu" and tensor.dtype == dst.dtype
-                        and tensor.is_contiguous()):
-                    idle_sources.append((entry.offset, tensor.reshape(-1).view(torch.uint8)))
-                elif tensor.is_cuda and tensor.data_ptr() in later:
-                    stream = _side_stream(tensor.device)
-                    stream.wait_stream(torch.cuda.current_stream(tensor.device))
-                    with torch.cuda.stream(stream):
-                        dst.copy_(tensor, non_blocking=True)
-                    tensor.record_stream(stream)
-                    device_done.append(stream.record_event())
-                else:
-                    dst.copy_(tensor)
-        idle = IdleCopy(pieces(target.buffer, idle_sources)) if idle_sources else None
-        return _Staging(target, idle, device_done)
 
     def _free_copy(self, entries: list[wire.Entry], nbytes: int, wait: bool) -> _Copy | None:
         """A copy no one reads or will read (a new one while there are fewer than ``copies``), marked busy."""
@@ -264,17 +239,28 @@ class WeightPublisher:
                 self._changed.notify_all()
             sock.close()
 
-    def _answer(self, lines: wire.Lines, have: int, wait: float, peer: _Peer) -> None:
-        deadline = time.monotonic() + wait
+    def hold_newest(self, have: int, wait: float | None) -> _Copy | None:
+        """The newest version, once there is one newer than ``have`` (None after ``wait`` seconds without,
+        or once closed), held for reading: its copy is not reused until :meth:`release`."""
+        deadline = None if wait is None else time.monotonic() + wait
         with self._changed:
             while (self._newest is None or self._newest.version <= have) and not self._closed:
-                left = deadline - time.monotonic()
-                if left <= 0:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
                     break
                 self._changed.wait(left)
             copy = self._newest if self._newest is not None and self._newest.version > have else None
             if copy is not None:
                 copy.readers += 1
+            return copy
+
+    def release(self, copy: _Copy) -> None:
+        with self._changed:
+            copy.readers -= 1
+            self._changed.notify_all()
+
+    def _answer(self, lines: wire.Lines, have: int, wait: float, peer: _Peer) -> None:
+        copy = self.hold_newest(have, wait)
         if copy is None:
             lines.send({"version": None})  # (not under the lock: a subscriber that does not read would hold it)
             return
@@ -297,9 +283,7 @@ class WeightPublisher:
             self.events.emit("weights_sent", subscriber=peer.name, version=copy.version, bytes=copy.buffer.numel(),
                              seconds=time.perf_counter() - started, newest=self._newest.version)  # (the lag)
         finally:
-            with self._changed:
-                copy.readers -= 1
-                self._changed.notify_all()
+            self.release(copy)
 
     def deliver_newest(self, timeout: float) -> list[str]:
         """Wait until every subscriber connected now has been sent the newest version whole (or has left),
@@ -352,13 +336,3 @@ def _forget_sockets_in_child() -> None:
 
 
 os.register_at_fork(after_in_child=_forget_sockets_in_child)
-
-
-_side_streams: dict[torch.device, torch.cuda.Stream] = {}
-
-
-def _side_stream(device: torch.device) -> torch.cuda.Stream:
-    stream = _side_streams.get(device)
-    if stream is None:
-        stream = _side_streams[device] = torch.cuda.Stream(device)
-    return stream

@@ -26,20 +26,22 @@ class RankZeroPublishing:
     rank 0 over goes on: a version its predecessor was cut off in the middle of reaches the subscribers
     whole (one its predecessor had finished is sent only to subscribers that lack it)."""
 
-    def __init__(self, endpoint: str, every_n_steps: int, dtype: str | None) -> None:
+    def __init__(self, endpoint: str, every_n_steps: int, dtype: str | None, storage: str | None = None) -> None:
         if every_n_steps < 1 or dtype not in DTYPES:
             raise ConfigError(f"torchpass: publish_every_n_steps={every_n_steps} must be >= 1 and publish_dtype="
                               f"{dtype!r} one of {', '.join(map(repr, DTYPES))}")
         wire.address(endpoint)  # a malformed endpoint is refused before training
-        self.endpoint, self.every_n_steps, self.dtype = endpoint, every_n_steps, DTYPES[dtype]
+        self.endpoint, self.every_n_steps, self.dtype_name, self.dtype = endpoint, every_n_steps, dtype, DTYPES[dtype]
+        self.storage = storage
         self.publisher: WeightPublisher | None = None
         self._delivering = False
 
     def check(self, module: torch.nn.Module, sharded_by: str | None = None) -> None:
         """Before training, on every rank (each may come to hold rank 0): what publishing needs."""
         if sharded_by is not None:
-            raise ConfigError(f"torchpass: publish_weights with {sharded_by} is not supported yet (a rank holds "
-                              "a shard, not the weights); publish from a data-parallel job (torchpass_ddp)")
+            raise ConfigError(f"torchpass: publish_weights with {sharded_by} is not supported (a rank holds a "
+                              "shard, not the weights); publish from a data-parallel loop, or train the sharded "
+                              "model with Lightning's strategy='torchpass_fsdp', whose ranks' shards are assembled")
         try:
             wire.token_or_env(None)
             wire.layout(module.state_dict(), self.dtype)
@@ -82,7 +84,7 @@ class RankZeroPublishing:
 
     def _publish(self, module: torch.nn.Module, step: int, events: Any, wait: bool, fence_later: bool) -> None:
         if self.publisher is None:
-            self.publisher = WeightPublisher(self.endpoint, dtype=self.dtype, events=events)
+            self.publisher = WeightPublisher(self.endpoint, dtype=self.dtype, events=events, storage=self.storage)
         if step > self.publisher.last_version:
             self.publisher.publish(module, step, wait=wait, fence_later=fence_later)
 

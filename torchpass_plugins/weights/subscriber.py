@@ -15,6 +15,7 @@ import torch
 
 from torchpass_plugins.observe.events import EventLog
 from torchpass_plugins.weights import wire
+from torchpass_plugins.weights.storage import VersionStore
 
 
 class TokenRefused(PermissionError):
@@ -26,10 +27,13 @@ class WeightSubscriber:
     ``TORCHPASS_WEIGHTS_TOKEN``). ``name`` tells the publisher who this is, in its events and gauges
     (default: host and process id). ``retry_s``: the pause between attempts to reach a publisher that is
     not there (yet, or any more: a trainer rank being replaced). ``stall_s``: a version of which no byte
-    arrives for this long (a link down) is given up, and asked for again on a new connection."""
+    arrives for this long (a link down) is given up, and asked for again on a new connection. ``storage``
+    (with ``storage_options``): where the publisher also writes versions (its ``storage``); after
+    ``fallback_s`` seconds without reaching the publisher, a newer version found there is taken."""
 
     def __init__(self, endpoint: str, token: str | None = None, name: str | None = None, retry_s: float = 0.2,
-                 stall_s: float = 10.0, events: EventLog | None = None) -> None:
+                 stall_s: float = 10.0, events: EventLog | None = None, storage: str | None = None,
+                 storage_options: dict | None = None, fallback_s: float = 30.0) -> None:
         self._address = wire.address(endpoint)
         self.name = name or f"{socket.gethostname()}:{os.getpid()}"
         self._token = wire.token_or_env(token)
@@ -38,6 +42,9 @@ class WeightSubscriber:
         self.events = events or EventLog(None)
         self.version: int | None = None  # the newest version received
         self.discarded = 0  # versions whose checksum did not match, dropped and asked for again
+        self._storage = VersionStore(storage, storage_options) if storage is not None else None
+        self._fallback_s = fallback_s
+        self._unreached_since: float | None = None  # since when the publisher has not been reached
 
     def latest(self, timeout: float | None = None) -> tuple[int, dict[str, torch.Tensor]]:
         """The newest version the publisher has (waiting up to ``timeout`` seconds for a first one)."""
@@ -76,6 +83,7 @@ class WeightSubscriber:
                 asked = time.monotonic()
                 lines.send({"have": have, "wait": wait})
                 record = lines.receive()
+                self._unreached_since = None
                 if record.get("version") is None:
                     if time.monotonic() - asked < wait / 2:
                         time.sleep(self._retry_s)  # answered at once: a publisher closing down
@@ -95,12 +103,30 @@ class WeightSubscriber:
                 if self._lines is not None:  # a connection that was up: lost (a version cut off is dropped)
                     self.events.emit("weights_connection_lost", error=str(exc) or type(exc).__name__)
                 self._disconnect()
+                if (stored := self._from_storage(have)) is not None:
+                    return stored
                 time.sleep(self._retry_s)
                 continue
             self.version = version
             self.events.emit("weights_received", version=version, bytes=nbytes,
                              seconds=time.perf_counter() - started)
             return version, {e.name: wire.view(buffer, e) for e in entries}
+
+    def _from_storage(self, have: int) -> tuple[int, dict[str, torch.Tensor]] | None:
+        """Once the publisher has been out of reach for ``fallback_s``: a version newer than ``have`` from
+        the storage, if it holds one."""
+        now = time.monotonic()
+        self._unreached_since = self._unreached_since or now
+        if self._storage is None or now - self._unreached_since < self._fallback_s:
+            return None
+        found = self._storage.read_newer(have)
+        if found is None:
+            return None
+        version, state, nbytes = found
+        self.version = version
+        self.events.emit("weights_received", version=version, bytes=nbytes, seconds=time.monotonic() - now,
+                         source=self._storage.url)
+        return version, state
 
     def _connected(self, timeout: float) -> wire.Lines:
         """The connection, made and authenticated if there is none; ``timeout`` bounds both (something else

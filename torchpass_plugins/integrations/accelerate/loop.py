@@ -77,16 +77,18 @@ class TorchPass:
 
     def __init__(self, seed: int | None = None, timeout: timedelta | float | None = None,
                  process_group_backend: str | None = None, publish_weights: str | None = None,
-                 publish_every_n_steps: int = 1, publish_dtype: str | None = None) -> None:
+                 publish_every_n_steps: int = 1, publish_dtype: str | None = None,
+                 publish_storage: str | None = None) -> None:
         """``seed``: the job seed of the per-step random streams (dropout, ...); pass the seed given to
         ``set_seed`` so that runs launched apart draw the same numbers (default: ``--seed`` of the launch,
         else one derived from the job's token). ``process_group_backend``: for CUDA tensors, where a GPU is
         visible (``nccl`` unless given; ``gloo`` for several ranks sharing one GPU). ``timeout``: a collective's,
         as a ``timedelta`` or seconds (default: ``torchpass.timeouts.collective_s``). ``publish_weights``
-        (``tcp://HOST:PORT``), ``publish_every_n_steps``, ``publish_dtype``: logical rank 0 serves versions
-        of the tracked model's weights to subscribers, as ``TorchPassCallback``'s arguments of those names."""
+        (``tcp://HOST:PORT``), ``publish_every_n_steps``, ``publish_dtype``, ``publish_storage``: logical
+        rank 0 serves versions of the tracked model's weights to subscribers, as ``TorchPassCallback``'s
+        arguments of those names."""
         self.active = in_torchpass_worker()
-        self.publishing = (RankZeroPublishing(publish_weights, publish_every_n_steps, publish_dtype)
+        self.publishing = (RankZeroPublishing(publish_weights, publish_every_n_steps, publish_dtype, publish_storage)
                            if publish_weights else None)
         self.runtime: Runtime | None = None
         self._pending: dict[str, Any] | None = None  # a spare's received state, applied by ``track``

@@ -20,6 +20,7 @@ from torchpass_plugins.observe.events import EventLog
 from torchpass_plugins.storage.snapshot_store import Manifest, SnapshotStore, model_fingerprint
 from torchpass_plugins.storage.snapshot_writer import AsyncSnapshotWriter, SnapshotPlan, WhenBusy
 from torchpass_plugins.weights.rank_zero import RankZeroPublishing
+from torchpass_plugins.weights.sharded import ShardedPublishing
 
 _LAND_ON_LEAVE_S = 60.0  # how long a worker leaving the job (aborted, migrated) waits for its snapshot in flight
 
@@ -48,6 +49,8 @@ class TorchPassCallback(Callback):
             ``TORCHPASS_WEIGHTS_TOKEN``; the copy into host memory runs in the background during the step.
         publish_every_n_steps: a version every N optimizer steps, numbered by the step, and the last one.
         publish_dtype: ``bfloat16`` or ``float16`` casts floating tensors as they are published.
+        publish_storage: a path or fsspec URL (credentials from fsspec's environment) where the newest version
+            is also written, in the background, for subscribers that cannot reach ``publish_weights``.
     """
 
     def __init__(
@@ -62,6 +65,7 @@ class TorchPassCallback(Callback):
         publish_weights: str | None = None,
         publish_every_n_steps: int = 1,
         publish_dtype: str | None = None,
+        publish_storage: str | None = None,
     ) -> None:
         if snapshot_every_n_steps < 0 or snapshot_keep < 1 or snapshot_timeout <= 0:
             raise ConfigError(
@@ -79,7 +83,7 @@ class TorchPassCallback(Callback):
         self.snapshot_when_busy = snapshot_when_busy
         self.snapshot_storage_options = snapshot_storage_options
         self.snapshot_timeout = snapshot_timeout
-        self.publishing = (RankZeroPublishing(publish_weights, publish_every_n_steps, publish_dtype)
+        self.publishing = (RankZeroPublishing(publish_weights, publish_every_n_steps, publish_dtype, publish_storage)
                            if publish_weights else None)
         self.runtime = None
         self.writer: AsyncSnapshotWriter | None = None
@@ -97,10 +101,11 @@ class TorchPassCallback(Callback):
     def setup(self, trainer, pl_module, stage: str) -> None:
         if stage == "fit" and self.publishing is not None:
             if self.runtime is None:
-                raise ConfigError("torchpass: publish_weights needs strategy='torchpass_ddp' under `torchpass "
-                                  f"launch` (got {type(trainer.strategy).__name__})")
-            sharded = getattr(trainer.strategy, "strategy_name", None) == "torchpass_fsdp"
-            self.publishing.check(pl_module, sharded_by="torchpass_fsdp" if sharded else None)
+                raise ConfigError("torchpass: publish_weights needs strategy='torchpass_ddp' or 'torchpass_fsdp' "
+                                  f"under `torchpass launch` (got {type(trainer.strategy).__name__})")
+            if getattr(trainer.strategy, "strategy_name", None) == "torchpass_fsdp":
+                self.publishing = ShardedPublishing(self.publishing, self.runtime)
+            self.publishing.check(pl_module)
             self.runtime.leave_hooks.append(self.publishing.close)
         if stage != "fit" or not self.snapshot_dir:
             return
