@@ -329,9 +329,14 @@ class Agent:
                 p.wait()
 
     def _wait_other_agents(self, timeout: float = 60.0) -> None:
-        """Node 0 hosts the store: keep it up until every agent has finished with it."""
+        """Node 0 hosts the store: keep it up until every agent has finished with it (a node written off as
+        lost never will: it is not waited for)."""
         deadline = time.monotonic() + timeout
-        while int(self.store.add(_AGENTS_DONE, 0)) < self.config.nnodes and time.monotonic() < deadline:
+        nodes = range(self.config.nnodes)
+        while time.monotonic() < deadline:
+            lost = sum(self.store.check([node_lost_key(node)]) for node in nodes)
+            if int(self.store.add(_AGENTS_DONE, 0)) + lost >= self.config.nnodes:
+                return
             time.sleep(_TICK)
 
     def _install_signals(self) -> None:
