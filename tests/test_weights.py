@@ -209,7 +209,8 @@ _ENDS_TRAINING = textwrap.dedent("""
     import sys, torch
     from torchpass_plugins.observe.events import EventLog
     from torchpass_plugins.weights.rank_zero import RankZeroPublishing
-    publishing, model = RankZeroPublishing(sys.argv[1], every_n_steps=1, dtype=None), torch.nn.Linear(64, 64)
+    publishing = RankZeroPublishing(sys.argv[1], every_n_steps=1, dtype=None, storage=sys.argv[2])
+    model = torch.nn.Linear(64, 64)
     publishing.at_start(0, 0, model, EventLog(None))
     sys.stdin.readline()  # the subscriber has version 0
     with torch.no_grad():
@@ -218,10 +219,14 @@ _ENDS_TRAINING = textwrap.dedent("""
 """)
 
 
-def test_the_trained_weights_reach_a_connected_subscriber_although_the_process_ends_at_once(monkeypatch):
+def test_the_trained_weights_reach_a_connected_subscriber_although_the_process_ends_at_once(monkeypatch, tmp_path):
+    """... and the storage: the process that ends training lives until both have them."""
+    from torchpass_plugins.weights.storage import VersionStore
+
     monkeypatch.setenv(wire.TOKEN_VARIABLE, TOKEN)
-    endpoint = f"tcp://127.0.0.1:{service_port()}"
-    trainer = subprocess.Popen([sys.executable, "-c", _ENDS_TRAINING, endpoint], stdin=subprocess.PIPE, text=True)
+    endpoint, storage = f"tcp://127.0.0.1:{service_port()}", str(tmp_path / "weights")
+    trainer = subprocess.Popen([sys.executable, "-c", _ENDS_TRAINING, endpoint, storage], stdin=subprocess.PIPE,
+                               text=True)
     try:
         subscriber = WeightSubscriber(endpoint, token=TOKEN, retry_s=0.05)
         assert subscriber.latest(timeout=60)[0] == 0
@@ -234,6 +239,24 @@ def test_the_trained_weights_reach_a_connected_subscriber_although_the_process_e
     finally:
         trainer.kill()
         trainer.wait()
+    assert VersionStore(storage).read_newer(-1)[0] == 7
+
+
+def test_storage_goes_back_with_a_job_restarted_from_an_older_snapshot(tmp_path):
+    from torchpass_plugins.weights.storage import VersionStore
+
+    store = VersionStore(str(tmp_path / "weights"))
+    for version in (10, 11, 5):  # a job restarted from its snapshot of step 5
+        entries, nbytes = wire.layout(_state(version))
+        buffer = torch.zeros(nbytes, dtype=torch.uint8)
+        for entry, tensor in zip(entries, _state(version).values(), strict=True):
+            wire.view(buffer, entry).copy_(tensor)
+        store.write(version, entries, buffer, zlib.crc32(memoryview(buffer.numpy())))
+    version, state, _ = VersionStore(str(tmp_path / "weights")).read_newer(-1)
+    assert version == 5
+    _assert_is(state, 5)
+    kept = sorted(p.name for p in (tmp_path / "weights").glob("v*"))
+    assert kept == ["v000000000005.weights", "v000000000011.weights"]  # the newest and the one written before it
 
 
 def test_a_subscriber_that_never_asks_holds_the_end_of_training_back_only_so_long(tmp_path, monkeypatch):
@@ -309,7 +332,7 @@ def test_shards_of_one_step_are_assembled_and_a_step_some_rank_did_not_send_is_n
     import torch.distributed as dist
 
     from torchpass_plugins.observe.events import EventLog
-    from torchpass_plugins.weights.sharded import ShardCollector, shard_key
+    from torchpass_plugins.weights.sharded import SENDER, ShardCollector, shard_key
 
     monkeypatch.setenv(wire.TOKEN_VARIABLE, TOKEN)
     store = dist.HashStore()
@@ -327,7 +350,7 @@ def test_shards_of_one_step_are_assembled_and_a_step_some_rank_did_not_send_is_n
                 shards = [{name: full[name].chunk(3)[rank] for name in ("b", "w")} for rank in range(3)]
                 for rank, shard_publisher in enumerate(ranks, start=1):
                     if (rank, version) != (2, 3):
-                        shard_publisher.publish(shards[rank], version, wait=True)
+                        shard_publisher.publish({**shards[rank], SENDER: torch.tensor(rank)}, version, wait=True)
                 collector.add(0, version, {**shards[0], "running": full["running"]})
                 if version == 3:
                     assert not collector.wait_published(3, 1.0)

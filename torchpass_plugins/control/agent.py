@@ -55,7 +55,7 @@ from torchpass_plugins.observe.events import EventLog
 from torchpass_plugins.observe.metrics import serve
 
 _TICK = 0.05
-_AGENTS_DONE = "agents_done"
+_AGENTS_DONE = "agents_done"  # /NODE: that node's agent has finished with the store
 
 
 @dataclass
@@ -117,7 +117,7 @@ class Agent:
             if self._zygote is not None:
                 self._zygote.close()
             self._kill_all()
-            self.store.add(_AGENTS_DONE, 1)
+            self.store.set(f"{_AGENTS_DONE}/{cfg.node_rank}", "1")
             if cfg.node_rank == 0 and not cfg.external_store and cfg.store_address is None:
                 self._wait_other_agents()
             self._stop_coordinator()
@@ -332,11 +332,10 @@ class Agent:
         """Node 0 hosts the store: keep it up until every agent has finished with it (a node written off as
         lost never will: it is not waited for)."""
         deadline = time.monotonic() + timeout
-        nodes = range(self.config.nnodes)
-        while time.monotonic() < deadline:
-            lost = sum(self.store.check([node_lost_key(node)]) for node in nodes)
-            if int(self.store.add(_AGENTS_DONE, 0)) + lost >= self.config.nnodes:
-                return
+        waiting = set(range(self.config.nnodes))
+        while waiting and time.monotonic() < deadline:
+            waiting = {n for n in waiting if not self.store.check([f"{_AGENTS_DONE}/{n}"])
+                       and not self.store.check([node_lost_key(n)])}
             time.sleep(_TICK)
 
     def _install_signals(self) -> None:

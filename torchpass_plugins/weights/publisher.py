@@ -107,6 +107,7 @@ class WeightPublisher:
         self.endpoint = f"tcp://{self._address[0]}:{port}"
         self._accepting = threading.Thread(target=self._accept_loop, name="weights-accept", daemon=True)
         self._accepting.start()
+        self._stored: int | None = None if storage is None else -1  # the newest version written to storage
         if storage is not None:
             threading.Thread(target=keep_storing, args=(self, VersionStore(storage, storage_options)),
                              name="weights-storage", daemon=True).start()
@@ -259,6 +260,11 @@ class WeightPublisher:
             copy.readers -= 1
             self._changed.notify_all()
 
+    def stored(self, copy: _Copy) -> None:
+        """The storage thread is done with ``copy`` (written, or failed and logged)."""
+        self._stored = copy.version
+        self.release(copy)
+
     def _answer(self, lines: wire.Lines, have: int, wait: float, peer: _Peer) -> None:
         copy = self.hold_newest(have, wait)
         if copy is None:
@@ -287,13 +293,15 @@ class WeightPublisher:
 
     def deliver_newest(self, timeout: float) -> list[str]:
         """Wait until every subscriber connected now has been sent the newest version whole (or has left),
-        at most ``timeout`` seconds; the names of those that have not. At the end of training: the process
-        that publishes may exit right after its last publication, which would cut that version off."""
+        and the storage has it, at most ``timeout`` seconds; the names of those that have not (``storage``).
+        At the end of training: the process that publishes may exit right after its last publication, which
+        would cut that version off."""
         deadline = time.monotonic() + timeout
         with self._changed:
             while True:
                 newest = self._newest.version if self._newest is not None else -1
                 behind = [peer.name for peer in self._served.values() if peer.sent < newest]
+                behind += ["storage"] if self._stored is not None and self._stored < newest else []
                 left = deadline - time.monotonic()
                 if not behind or self._closed or left <= 0:
                     return behind

@@ -37,6 +37,7 @@ from torchpass_plugins.weights.subscriber import WeightSubscriber
 # must reach back as many steps as a shard takes to arrive.
 KEEP_OWN, KEEP_OTHERS = 8, 2
 _FOLLOW_POLL_S = 2.0  # how often a follower with nothing new looks for a new address of its rank
+SENDER = "__torchpass_rank__"  # in each rank's shards: who sent them (an address in the store may be stale)
 
 
 def shard_key(rank: int) -> str:
@@ -66,8 +67,8 @@ class ShardedPublishing(RankZeroPublishing):
 
     def at_end(self, rank: int, step: int, module: torch.nn.Module, events: Any) -> None:
         """Every rank's shards of the trained weights; rank 0 publishes them assembled. Each process then
-        outlives training (a thread that is not a daemon) until its shards, or the assembled weights,
-        reached whoever follows them, at most ``LAST_DELIVERY_S``."""
+        outlives training (a thread that is not a daemon) until its shards reached rank 0, or rank 0's
+        assembled weights its subscribers: at most ``LAST_DELIVERY_S`` for each of the two waits."""
         if self._delivering:
             return
         self._stage(rank, step, module, events, last=True)
@@ -75,6 +76,8 @@ class ShardedPublishing(RankZeroPublishing):
         threading.Thread(target=self._deliver_last, args=(events, step), name="weights-last-delivery").start()
 
     def _deliver_last(self, events: Any, step: int) -> None:
+        if self.collector is None and self.shard_publisher is None:
+            return  # (a spare that never held its rank's state: nothing of its own was published)
         if self.collector is None:
             self.shard_publisher.deliver_newest(rank_zero.LAST_DELIVERY_S)
             self.shard_publisher.close()
@@ -107,7 +110,8 @@ class ShardedPublishing(RankZeroPublishing):
             host = _address_towards(self.runtime.env.store_host_port[0])
             self.shard_publisher = WeightPublisher(f"tcp://{host}:0", dtype=self.dtype, events=EventLog(None))
             self.runtime.member.store.set(shard_key(rank), self.shard_publisher.endpoint)
-        self.shard_publisher.publish({name: state[name].to_local() for name in sorted(sharded)}, step, wait=last)
+        shards = {name: state[name].to_local() for name in sorted(sharded)}
+        self.shard_publisher.publish({**shards, SENDER: torch.tensor(rank)}, step, wait=last)
 
     def close(self) -> None:
         for part in (self.collector, self.shard_publisher):
@@ -156,21 +160,29 @@ class ShardCollector:
         """Rank ``rank``'s shards, from whichever process serves them now (its address in the store)."""
         subscriber, endpoint, have = None, None, -1
         while not self._closed:
-            current = store.get(shard_key(rank)).decode() if store.check([shard_key(rank)]) else None
-            if current != endpoint:
-                if subscriber is not None:
-                    subscriber.close()
-                endpoint = current
-                subscriber = (WeightSubscriber(endpoint, name=f"rank0-follows-rank{rank}", retry_s=0.05)
-                              if endpoint else None)
-            if subscriber is None:
-                time.sleep(0.1)
-                continue
             try:
-                have, shards = subscriber.wait_newer(have, timeout=_FOLLOW_POLL_S)
-            except TimeoutError:
-                continue
-            self.add(rank, have, shards)
+                current = store.get(shard_key(rank)).decode() if store.check([shard_key(rank)]) else None
+                if current != endpoint:
+                    if subscriber is not None:
+                        subscriber.close()
+                    endpoint = current
+                    subscriber = (WeightSubscriber(endpoint, name=f"rank0-follows-rank{rank}", retry_s=0.05)
+                                  if endpoint else None)
+                if subscriber is None:
+                    time.sleep(0.1)
+                    continue
+                try:  # (from rank 0's newest step on: every follower asks for the same steps, in step)
+                    version, shards = subscriber.wait_newer(max(have, self._own_newest() - 1), _FOLLOW_POLL_S)
+                except TimeoutError:
+                    continue
+                if int(shards.pop(SENDER, torch.tensor(-1))) != rank:
+                    raise ValueError(f"{endpoint} served another rank's shards: its address in the store is stale")
+                have = version
+                self.add(rank, version, shards)
+            except Exception as exc:  # (logged; this rank's next shards are asked for again)
+                self.events.emit("weights_shards_failed", rank=rank, error=str(exc)[:500])
+                endpoint = None
+                time.sleep(1.0)
         if subscriber is not None:
             subscriber.close()
 
@@ -182,12 +194,23 @@ class ShardCollector:
                 if self._closed:
                     return
                 parts = [self._shards[rank][version] for rank in range(self.world_size)]
-            state = {name: torch.cat([part[name] for part in parts]) if name in self.sharded else tensor
-                     for name, tensor in parts[0].items()}
-            publication = self.publisher.publish(state, version, wait=True)
+            try:
+                state = {name: torch.cat([part[name] for part in parts]) if name in self.sharded else tensor
+                         for name, tensor in parts[0].items()}
+                published = not self.publisher.publish(state, version, wait=True).skipped
+            except Exception as exc:  # (logged; the next complete step is tried)
+                self.events.emit("weights_shards_failed", version=version, error=str(exc)[:500])
+                published = False
             with self._changed:
-                self._published = version if not publication.skipped else self._published
+                self._published = version if published else self._published
+                for kept in self._shards.values():  # never assembled again
+                    for old in [v for v in kept if v <= version]:
+                        del kept[old]
                 self._changed.notify_all()
+
+    def _own_newest(self) -> int:
+        with self._changed:
+            return max(self._shards[0], default=-1)
 
     def _complete(self) -> int | None:
         """The newest step whose shards every rank's are here, if newer than the last published."""

@@ -5,8 +5,9 @@ only reaches the storage.
 The publisher writes the newest version in the background, as often as the storage takes one (a version
 published meanwhile is passed over for the next newest). A version is one file in the form it has on the
 wire (the header line, the bytes, the CRC-32 line), written whole before ``LATEST`` names it; the version
-before it is kept (a subscriber may be reading it), older ones are deleted. A subscriber reads the version
-``LATEST`` names and checks its CRC, so a file cut off or changed is never handed out.
+this process wrote before it is kept (a subscriber may be reading it), every other one is deleted (also
+newer numbers, which a job restarted from an older snapshot goes past again). A subscriber reads the
+version ``LATEST`` names and checks its CRC, so a file cut off or changed is never handed out.
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ import torch
 from torchpass_plugins.weights import wire
 
 LATEST = "LATEST"
-_KEEP = 2
 
 
 def version_file(version: int) -> str:
@@ -35,6 +35,7 @@ class VersionStore:
         self.url = url
         self.fs, self.root = fsspec.core.url_to_fs(url, **(storage_options or {}))
         self.fs.makedirs(self.root, exist_ok=True)
+        self._written: list[str] = []  # by this process, oldest first
 
     def _path(self, name: str) -> str:
         return f"{self.root.rstrip('/')}/{name}"
@@ -47,9 +48,11 @@ class VersionStore:
         staged = self._path(f".{LATEST}.{version}")
         self.fs.pipe_file(staged, json.dumps({"version": version, "file": version_file(version)}).encode())
         self.fs.mv(staged, self._path(LATEST))  # (a rename where the storage has one: LATEST is never torn)
-        names = sorted(p.rsplit("/", 1)[-1] for p in self.fs.ls(self.root, detail=False))
-        for name in [n for n in names if n.startswith("v") and n.endswith(".weights")][:-_KEEP]:
-            self.fs.rm(self._path(name))
+        self._written = [*self._written, version_file(version)][-2:]
+        for path in self.fs.ls(self.root, detail=False):
+            name = path.rsplit("/", 1)[-1]
+            if name.startswith("v") and name.endswith(".weights") and name not in self._written:
+                self.fs.rm(self._path(name))
 
     def read_newer(self, have: int) -> tuple[int, dict[str, torch.Tensor], int] | None:
         """The version ``LATEST`` names, if newer than ``have`` and whole: (version, state, bytes); else None
@@ -64,7 +67,7 @@ class VersionStore:
             payload, tail = rest[:nbytes], rest[nbytes:]
             if len(payload) != nbytes or json.loads(tail)["crc32"] != zlib.crc32(payload):
                 return None
-        except (FileNotFoundError, ValueError, KeyError, TypeError):
+        except (OSError, ValueError, KeyError, TypeError):  # (storage unreachable too: asked again later)
             return None
         buffer = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
         return version, {e.name: wire.view(buffer, e) for e in entries}, nbytes
@@ -84,4 +87,4 @@ def keep_storing(publisher: Any, store: VersionStore) -> None:
             publisher.events.emit("weights_store_failed", version=copy.version, error=str(exc)[:500])
         finally:
             written = copy.version
-            publisher.release(copy)
+            publisher.stored(copy)
