@@ -34,7 +34,7 @@ def test_sigkill_of_a_nonzero_rank_from_outside(tmp_path, reference):
         codes = job.wait()
     finally:
         job.kill()
-    assert_bit_exact(job, codes, reference(3, wide))
+    assert_bit_exact(job, codes, reference(3, wide), killed_from_outside=(1,))
     assert [e["promoted"] for e in job.events("roster_published")][1] == {"n0-s3-i0": 1}
     [received] = job.events("state_received")
     assert recovered_ranks(job) == {0, 1, 2}
@@ -111,7 +111,7 @@ def test_second_failure_after_the_pool_was_refilled(tmp_path, reference):
         codes = job.wait()
     finally:
         job.kill()
-    assert_bit_exact(job, codes, reference())
+    assert_bit_exact(job, codes, reference(), killed_from_outside=(2,))
     promoted = [e["promoted"] for e in job.events("roster_published")][1:]
     assert promoted == [{"n0-s3-i0": 1}, {"n0-s1-i1": 2}]
 
@@ -156,7 +156,8 @@ def test_a_lost_node_with_its_agent_is_replaced_by_a_spare_on_another_node(tmp_p
     finally:
         job.kill()
     assert codes[1] == -signal.SIGKILL  # the lost node's agent; the others end the job normally
-    assert_bit_exact(job, [codes[0], codes[2]], reference(2, ("--devices", "1", "--num-nodes", "2")), world=2)
+    assert_bit_exact(job, [codes[0], codes[2]], reference(2, ("--devices", "1", "--num-nodes", "2")), world=2,
+                     killed_from_outside=(1,))
     assert [e["node"] for e in job.events("node_lost")] == [1]
     assert [e["worker"] for e in job.events("failure_detected")] == ["n1-s0-i0"]
 
@@ -176,7 +177,8 @@ def test_a_lost_node_started_again_refills_the_spare_pool_and_a_later_failure_us
         codes = job.wait()
     finally:
         job.kill()
-    assert_bit_exact(job, codes, reference(2, ("--devices", "1", "--num-nodes", "2")), world=2)
+    assert_bit_exact(job, codes, reference(2, ("--devices", "1", "--num-nodes", "2")), world=2,
+                     killed_from_outside=(0, 1))
     assert [e["node"] for e in job.events("node_rejoined")] == [1]
     assert job.events("spare_joined")[0]["worker"] == "n1-s0-i1"  # named anew: never reused
     assert [e["rank"] for e in job.events("failure_detected")] == [1, 0]
