@@ -26,10 +26,12 @@ from torchpass_plugins.control.leadership import JournaledInbox, QueueInbox, can
 from torchpass_plugins.control.membership import (
     StoreUnusable,
     current_attempt,
+    finished_with_store,
     next_incarnation,
     open_job_store,
     prefixed,
     serve_node,
+    wait_for_agents,
 )
 from torchpass_plugins.control.policy import Action, Policy
 from torchpass_plugins.control.protocol import (
@@ -55,7 +57,6 @@ from torchpass_plugins.observe.events import EventLog
 from torchpass_plugins.observe.metrics import serve
 
 _TICK = 0.05
-_AGENTS_DONE = "agents_done"  # /NODE: that node's agent has finished with the store
 
 
 @dataclass
@@ -117,9 +118,9 @@ class Agent:
             if self._zygote is not None:
                 self._zygote.close()
             self._kill_all()
-            self.store.set(f"{_AGENTS_DONE}/{cfg.node_rank}", "1")
+            finished_with_store(self.store, cfg.node_rank)
             if cfg.node_rank == 0 and not cfg.external_store and cfg.store_address is None:
-                self._wait_other_agents()
+                wait_for_agents(self.store, cfg.nnodes)
             self._stop_coordinator()
         return code
 
@@ -327,16 +328,6 @@ class Agent:
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
-
-    def _wait_other_agents(self, timeout: float = 60.0) -> None:
-        """Node 0 hosts the store: keep it up until every agent has finished with it (a node written off as
-        lost never will: it is not waited for)."""
-        deadline = time.monotonic() + timeout
-        waiting = set(range(self.config.nnodes))
-        while waiting and time.monotonic() < deadline:
-            waiting = {n for n in waiting if not self.store.check([f"{_AGENTS_DONE}/{n}"])
-                       and not self.store.check([node_lost_key(n)])}
-            time.sleep(_TICK)
 
     def _install_signals(self) -> None:
         def handler(signum, _frame) -> None:

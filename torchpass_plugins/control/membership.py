@@ -13,6 +13,7 @@ import signal
 import socket
 import sys
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -128,6 +129,23 @@ def serve_node(store: dist.Store, node: int, identity: str) -> bool:
         store.delete_key(node_lost_key(node))
     store.set(node_agent_key(node), identity)
     return rejoined
+
+
+_AGENTS_DONE = "agents_done"  # /NODE: that node's agent has finished with the store
+
+
+def finished_with_store(store: dist.Store, node: int) -> None:
+    store.set(f"{_AGENTS_DONE}/{node}", "1")
+
+
+def wait_for_agents(store: dist.Store, nnodes: int, timeout: float = 60.0) -> None:
+    """Node 0 hosts the store: keep it up until every agent not written off as lost has finished with it."""
+    deadline = time.monotonic() + timeout
+    waiting = set(range(nnodes))
+    while waiting and time.monotonic() < deadline:
+        waiting = {n for n in waiting
+                   if not store.check([f"{_AGENTS_DONE}/{n}"]) and not store.check([node_lost_key(n)])}
+        time.sleep(0.05)
 
 
 def next_incarnation(store: dist.Store, node: int, slot: int) -> int:

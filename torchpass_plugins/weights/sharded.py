@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor, Shard
 
+from torchpass_plugins.core.host_copy import to_host
 from torchpass_plugins.core.interfaces import Phase
 from torchpass_plugins.errors import ConfigError
 from torchpass_plugins.observe.events import EventLog
@@ -102,9 +103,10 @@ class ShardedPublishing(RankZeroPublishing):
             if self.collector is None:
                 self.publisher = WeightPublisher(self.endpoint, dtype=self.dtype, events=events, storage=self.storage)
                 self.collector = ShardCollector(self.runtime, self.publisher, sharded, events)
-            own = {name: _host_copy(tensor.to_local() if name in sharded else tensor, self.dtype)
-                   for name, tensor in state.items()}
-            self.collector.add(0, step, own)
+            local = [tensor.to_local() if name in sharded else tensor for name, tensor in state.items()]
+            own = [t.to(self.dtype) if self.dtype is not None and t.is_floating_point() else t
+                   for t in to_host(local, copy=True)]  # kept until the other ranks' shards of this step arrive
+            self.collector.add(0, step, dict(zip(state, own, strict=True)))
             return
         if self.shard_publisher is None:
             host = _address_towards(self.runtime.env.store_host_port[0])
@@ -222,14 +224,6 @@ class ShardCollector:
         with self._changed:
             self._closed = True
             self._changed.notify_all()
-
-
-def _host_copy(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
-    """Rank 0's own shards of a boundary, kept until the other ranks' of the same step arrive."""
-    tensor = tensor.detach()
-    if dtype is not None and tensor.is_floating_point():
-        return tensor.to(device="cpu", dtype=dtype, copy=True)
-    return tensor.to(device="cpu", copy=True)
 
 
 def _address_towards(host: str) -> str:
