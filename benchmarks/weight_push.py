@@ -9,15 +9,19 @@ stale the replicas are.
   followers themselves take from the machine's cores.
 - *Staleness*: in those jobs, for each version a follower received, how many newer versions rank 0 had
   published by then (a follower that falls behind skips to the newest).
-- *Latency*: in one process, the time from ``publish`` to a subscriber process holding the version whole
-  (copy, checksum, send, receive, checksum), against a raw copy of the same bytes into host memory and a
-  raw send to a process that receives them into a buffer, the same transfer without versions or checks.
+- *Latency*: in one process, the time from ``publish`` to a subscriber process holding the version whole,
+  on each path: over TCP (copy, checksum, send, receive, checksum), against a raw copy of the same bytes
+  into host memory and a raw send to a process that receives them into a buffer; and through the
+  publisher's mapped copy (copy, copy out), against a raw copy into shared memory that a process copies
+  out of: each the same transfer without versions, checks or holds. Each transfer starts half a second
+  after the receiver asked for it, as a replica waits for the next version.
 
 Run ``python benchmarks/weight_push.py`` (full) or ``--smoke`` (tiny, checks the pipeline only).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import statistics
@@ -51,6 +55,7 @@ from _harness import (
     worker_env,
 )
 
+from torchpass_plugins.core.peer_memory import Segment, SegmentId, map_peer
 from torchpass_plugins.observe.events import EventLog
 from torchpass_plugins.weights import WeightPublisher, WeightSubscriber, wire
 
@@ -117,52 +122,93 @@ def train(size: Size, work: Path, followers: int | None) -> Job:
 
 
 def follow(endpoint: str, events: str, index: str) -> None:
-    """A follower: receive newer versions until the publisher is gone (its job ended)."""
+    """A follower: receive newer versions until the job ends (which kills it). Patient: the first step of the
+    larger model alone takes several seconds."""
     subscriber = WeightSubscriber(endpoint, token=TOKEN, retry_s=0.05, events=EventLog(events, f"replica{index}"))
     version = -1
     while True:
-        try:
-            version, _ = subscriber.wait_newer(version, timeout=120 if version < 0 else 10)
-        except TimeoutError:
-            return
+        version, _ = subscriber.wait_newer(version, timeout=600)
 
 
-def latency(nbytes: int, reps: int) -> tuple[list[float], list[float]]:
-    """Seconds from ``publish`` to a subscriber process holding the version whole, and from the start of a raw
-    copy to a raw receiver holding the same bytes; ``reps`` of each, in turn."""
+PATHS = ("tcp", "shared_memory")
+SETTLE_S = 0.5
+
+
+def latency(nbytes: int, reps: int, path: str) -> tuple[list[float], list[float]]:
+    """Seconds from ``publish`` to a subscriber process holding the version whole on ``path``, and from the
+    start of a raw copy to a raw receiver holding the same bytes; ``reps`` of each, in turn."""
     source = {"weights": torch.randn(nbytes // 4)}
-    receiver = subprocess.Popen([sys.executable, __file__, "_receive_raw"], stdin=subprocess.PIPE,
-                                stdout=subprocess.PIPE, text=True)
-    port = int(receiver.stdout.readline())
-    raw_sock = socket.create_connection(("127.0.0.1", port))
-    staging = torch.empty(nbytes, dtype=torch.uint8)
+    raw_transfer = _RawSend(nbytes) if path == "tcp" else _RawMapped(nbytes)
     published, raw = [], []
     with WeightPublisher("tcp://127.0.0.1:0", token=TOKEN) as publisher:
-        subscriber = subprocess.Popen([sys.executable, __file__, "_subscribe", publisher.endpoint],
+        subscriber = subprocess.Popen([sys.executable, __file__, "_subscribe", publisher.endpoint, path],
                                       stdout=subprocess.PIPE, text=True)
         try:
             for version in range(reps + 1):  # version 0 warms both paths up
                 assert subscriber.stdout.readline().strip() == f"waiting {version - 1}"
+                time.sleep(SETTLE_S)  # both receivers are waiting, as a replica does for the next version
                 started = time.monotonic()
                 publisher.publish(source, version)
                 done = float(subscriber.stdout.readline())
+                time.sleep(SETTLE_S)
                 started_raw = time.monotonic()
-                staging.copy_(source["weights"].view(torch.uint8))
-                raw_sock.sendall(nbytes.to_bytes(8, "little"))
-                raw_sock.sendall(memoryview(staging.numpy()))
-                done_raw = float(receiver.stdout.readline())
+                done_raw = raw_transfer.transfer(source["weights"].view(torch.uint8))
                 if version:
                     published.append(done - started)
                     raw.append(done_raw - started_raw)
         finally:
             subscriber.kill()
-            raw_sock.close()
-            receiver.kill()
+            raw_transfer.close()
     return published, raw
 
 
-def subscribe(endpoint: str) -> None:
-    subscriber = WeightSubscriber(endpoint, token=TOKEN)
+class _RawSend:
+    """A copy into host memory sent over TCP to a process that receives it into a buffer of its own."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.receiver = subprocess.Popen([sys.executable, __file__, "_receive_raw"], stdout=subprocess.PIPE, text=True)
+        self.sock = socket.create_connection(("127.0.0.1", int(self.receiver.stdout.readline())))
+        self.staging = torch.empty(nbytes, dtype=torch.uint8)
+
+    def transfer(self, source: torch.Tensor) -> float:
+        self.staging.copy_(source)
+        self.sock.sendall(self.staging.numel().to_bytes(8, "little"))
+        self.sock.sendall(memoryview(self.staging.numpy()))
+        return float(self.receiver.stdout.readline())
+
+    def close(self) -> None:
+        self.sock.close()
+        self.receiver.kill()
+
+
+class _RawMapped:
+    """A copy into shared memory that a process, told through a pipe, copies out into a buffer of its own."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.segment = Segment(nbytes)
+        self.receiver = subprocess.Popen([sys.executable, __file__, "_copy_out", json.dumps(self.segment.id.to_list()),
+                                          str(nbytes)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+
+    def transfer(self, source: torch.Tensor) -> float:
+        self.segment.tensor.copy_(source)
+        self.receiver.stdin.write("go\n")
+        self.receiver.stdin.flush()
+        return float(self.receiver.stdout.readline())
+
+    def close(self) -> None:
+        self.receiver.kill()
+        self.segment.close()
+
+
+def copy_out(segment: str, nbytes: str) -> None:
+    mapped = map_peer(SegmentId(*json.loads(segment)), int(nbytes))
+    for _ in sys.stdin:
+        torch.empty(int(nbytes), dtype=torch.uint8).copy_(mapped)
+        print(time.monotonic(), flush=True)
+
+
+def subscribe(endpoint: str, path: str) -> None:
+    subscriber = WeightSubscriber(endpoint, token=TOKEN, shared_memory=path == "shared_memory")
     version = -1
     while True:
         print(f"waiting {version}", flush=True)
@@ -188,41 +234,48 @@ def render(sizes: tuple[Size, ...], jobs: dict[str, dict[int | None, list[Job]]]
     lines = [f"## Publishing weights (`benchmarks/weight_push.py{' --smoke' if smoke else ''}`)", "",
              *machine_lines(info, command_line()), "",
              f"`torchpass_ddp` on {STEADY_RANKS} pinned ranks publishing every step to {FOLLOWERS} follower "
-             "processes on the same machine, publishing to none, and not publishing, runs alternating. Stall: "
+             "processes on the same machine (which map the publisher's copies), publishing to none, and not "
+             "publishing, runs alternating. Stall: "
              "per publication, what the training loop waits for (starting the copy into host memory, and its "
              "fence before the optimizer step), over the median step time of the job without publishing. Step "
              "ratios: median step times side by side, which also carry what the background copy, the sends and "
              "the followers themselves take from the machine's cores. Staleness: for each version a follower "
              "received, how many newer ones rank 0 had published by then. " + STEADY_NOTE, "",
-             "| Model | Weights | Stall / step (median, max) | Step, publishing to none / not (95% interval) | "
-             f"Step, publishing to {FOLLOWERS} / not | Staleness in versions (median, max) | Versions received / "
-             "published |", "|---|---|---|---|---|---|---|"]
+             "| Model | Weights | Stall / step, publishing to none (median, max) | Stall / step, publishing to "
+             f"{FOLLOWERS} (median, max) | Step, publishing to none / not (95% interval) | Step, publishing to "
+             f"{FOLLOWERS} / not | Staleness in versions (median, max) | Versions received / published |",
+             "|---|---|---|---|---|---|---|---|"]
     for size in sizes:
         runs = jobs[size.name]
         off = runs[None]
         step_off = statistics.median(j.step_ms for j in off)
-        stalls = [s / step_off for followers in (FOLLOWERS, 0) for j in runs[followers] for s in j.stall_ms]
+        stalls = {f: [s / step_off for j in runs[f] for s in j.stall_ms] for f in (0, FOLLOWERS)}
         ratios = {f: median_ci([a.step_ms / b.step_ms for a, b in zip(runs[f], off, strict=True)])
                   for f in (FOLLOWERS, 0)}
         stale = [s for j in runs[FOLLOWERS] for s in j.staleness]
         cells = [f"**{r:.3f}** ({lo:.3f}-{hi:.3f})" for r, lo, hi in (ratios[0], ratios[FOLLOWERS])]
-        lines.append(f"| {size.name} | {size.params * 4 / 1e6:.0f} MB | {statistics.median(stalls):.2%}, "
-                     f"{max(stalls):.2%} | {cells[0]} | {cells[1]} | {statistics.median(stale):.0f}, {max(stale)} | "
+        stall_cells = [f"{statistics.median(stalls[f]):.2%}, {max(stalls[f]):.2%}" for f in (0, FOLLOWERS)]
+        lines.append(f"| {size.name} | {size.params * 4 / 1e6:.0f} MB | {stall_cells[0]} | {stall_cells[1]} | "
+                     f"{cells[0]} | {cells[1]} | {statistics.median(stale):.0f}, {max(stale)} | "
                      f"{sum(j.received for j in runs[FOLLOWERS])} / "
                      f"{sum(j.published for j in runs[FOLLOWERS]) * FOLLOWERS} |")
-    lines += ["", "Latency: from `publish` to a subscriber process holding the version whole, against a raw copy "
-              "of the same bytes into host memory and a raw TCP send to a process receiving them into a buffer "
-              "(median of the repetitions; ratio: raw / publication, 1 = as fast as the raw transfer).", "",
-              "| Bytes | Publication (ms) | Raw copy + send (ms) | Raw / publication |", "|---|---|---|---|"]
-    for name, (nbytes, published, raw) in latencies.items():
+    lines += ["", "Latency: from `publish` to a subscriber process holding the version whole, on each path: TCP "
+              "against a raw copy of the same bytes into host memory and a raw TCP send to a process receiving "
+              "them into a buffer; the publisher's mapped copy (a subscriber on its host) against a raw copy into "
+              "shared memory that another process copies out of into a buffer (median of the repetitions; ratio: "
+              "raw / publication, 1 = as fast as the raw transfer). Each transfer starts half a second after the "
+              "receiver asked for it, as a replica waits for the next version.", "",
+              "| Bytes | Path | Publication (ms) | Raw transfer (ms) | Raw / publication |", "|---|---|---|---|---|"]
+    for (name, path), (nbytes, published, raw) in latencies.items():
         pub_ms, raw_ms = statistics.median(published) * 1e3, statistics.median(raw) * 1e3
-        lines.append(f"| {name}: {nbytes / 1e6:.0f} MB | {pub_ms:.1f} | {raw_ms:.1f} | **{raw_ms / pub_ms:.2f}** |")
+        lines.append(f"| {name}: {nbytes / 1e6:.0f} MB | {path.replace('_', ' ')} | {pub_ms:.1f} | {raw_ms:.1f} | "
+                     f"**{raw_ms / pub_ms:.2f}** |")
     return "\n".join(lines) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    roles = {"_follow": follow, "_subscribe": subscribe, "_receive_raw": receive_raw}
+    roles = {"_follow": follow, "_subscribe": subscribe, "_receive_raw": receive_raw, "_copy_out": copy_out}
     if argv and argv[0] in roles:
         roles[argv[0]](*argv[1:])
         return 0
@@ -243,13 +296,15 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"[weights] step {job.step_ms:.1f} ms, {job.published} published, {job.received} received",
                       flush=True)
         nbytes = size.params * 4
-        published, raw = latency(nbytes, 3 if args.smoke else 10)
-        latencies[size.name] = (nbytes, published, raw)
-        print(f"[weights] {size.name} latency: publication {statistics.median(published) * 1e3:.1f} ms, raw "
-              f"{statistics.median(raw) * 1e3:.1f} ms", flush=True)
+        for path in PATHS:
+            published, raw = latency(nbytes, 3 if args.smoke else 10, path)
+            latencies[size.name, path] = (nbytes, published, raw)
+            print(f"[weights] {size.name} latency over {path}: publication {statistics.median(published) * 1e3:.1f} "
+                  f"ms, raw {statistics.median(raw) * 1e3:.1f} ms", flush=True)
     body = render(sizes, jobs, latencies, args.smoke, info)
     raw_results = {"machine": info, "jobs": {k: {str(p): [asdict(j) for j in v] for p, v in d.items()}
-                                             for k, d in jobs.items()}, "latency_s": latencies}
+                                             for k, d in jobs.items()},
+                   "latency_s": {f"{name} {path}": value for (name, path), value in latencies.items()}}
     publish("weights", args.doc, body, work_root, raw_results)
     return 0
 

@@ -1,11 +1,13 @@
 """Publishing weights to processes outside the job: versions arrive whole (checked against what was
-published, bit for bit), in order, newest first; a subscriber that reads slowly holds only its own copy; a
-subscriber killed in the middle of a version, and a publisher killed in the middle of one, leave nothing
-torn behind; a late subscriber gets the newest version; a wrong token is refused."""
+published, bit for bit), in order, newest first, over TCP and, on the publisher's host, through its mapped
+copies; a subscriber that reads slowly holds only its own copy; a subscriber killed in the middle of a
+version, and a publisher killed in the middle of one, leave nothing torn behind; a late subscriber gets the
+newest version; a wrong token is refused; a subscriber that cannot map the copies gets the bytes."""
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -21,6 +23,7 @@ import torch
 from jobs import Job, run, service_port
 from scripts.weights_follower import digest
 
+from torchpass_plugins.observe.events import EventLog
 from torchpass_plugins.testing.chaos.oracle import differences
 from torchpass_plugins.weights import TokenRefused, WeightPublisher, WeightSubscriber, wire
 
@@ -42,11 +45,19 @@ def _assert_is(state: dict[str, torch.Tensor], version: int) -> None:
         assert torch.equal(state[name], tensor), f"{name} of version {version} differs from what was published"
 
 
-def test_versions_arrive_whole_in_order_and_a_late_subscriber_gets_the_newest():
+def _paths(events: Path) -> set[str]:
+    """How the versions a subscriber logged to ``events`` reached it."""
+    return {record["path"] for record in map(json.loads, events.read_text().splitlines())
+            if record["event"] == "weights_received"}
+
+
+@pytest.mark.parametrize("shared_memory", [True, False], ids=["mapped", "tcp"])
+def test_versions_arrive_whole_in_order_and_a_late_subscriber_gets_the_newest(shared_memory, tmp_path):
     received: list[int] = []
     with WeightPublisher("tcp://127.0.0.1:0", token=TOKEN) as publisher:
         publisher.publish(_state(0), 0)
-        subscriber = WeightSubscriber(publisher.endpoint, token=TOKEN)
+        subscriber = WeightSubscriber(publisher.endpoint, token=TOKEN, shared_memory=shared_memory,
+                                      events=EventLog(tmp_path / "events.jsonl"))
 
         def follow() -> None:
             version, state = subscriber.latest(timeout=30)
@@ -64,6 +75,7 @@ def test_versions_arrive_whole_in_order_and_a_late_subscriber_gets_the_newest():
         assert not publisher.publish(_state(40), 40, wait=True).skipped
         follower.join(timeout=60)
         assert received[-1] == 40 and received == sorted(set(received))  # newest last, each once, in order
+        assert _paths(tmp_path / "events.jsonl") == {"shared_memory" if shared_memory else "tcp"}
         late = WeightSubscriber(publisher.endpoint, token=TOKEN)
         version, state = late.latest(timeout=30)
         assert version == 40
@@ -88,10 +100,11 @@ def test_a_slow_subscriber_holds_only_its_own_copy_and_then_skips_to_the_newest(
         slow.close()
 
 
-def test_a_subscriber_killed_in_the_middle_of_a_version_costs_the_others_nothing(tmp_path):
+@pytest.mark.parametrize("mapped", [True, False], ids=["mapped", "tcp"])
+def test_a_subscriber_killed_in_the_middle_of_a_version_costs_the_others_nothing(mapped):
     with WeightPublisher("tcp://127.0.0.1:0", token=TOKEN, copies=2) as publisher:
         publisher.publish(_state(0, 4096), 0)  # 64 MiB: more than the sockets buffer, so the send is cut off
-        child = subprocess.run([sys.executable, "-c", _KILLED_MID_RECEIVE, publisher.endpoint, TOKEN],
+        child = subprocess.run([sys.executable, "-c", _KILLED_MID_RECEIVE, publisher.endpoint, TOKEN, str(mapped)],
                                capture_output=True, text=True, timeout=60)
         assert child.returncode == -signal.SIGKILL, child.stderr
         for version in (1, 2, 3):  # with 2 copies, these wait for ever unless the killed subscriber's is freed
@@ -101,7 +114,9 @@ def test_a_subscriber_killed_in_the_middle_of_a_version_costs_the_others_nothing
         _assert_is(state, 3)
 
 
-def test_a_publisher_killed_mid_version_is_never_seen_torn_and_its_successor_serves_the_same_endpoint(tmp_path):
+@pytest.mark.parametrize("shared_memory", [True, False], ids=["mapped", "tcp"])
+def test_a_publisher_killed_mid_version_is_never_seen_torn_and_its_successor_serves_the_same_endpoint(
+        shared_memory, tmp_path):
     endpoint = f"tcp://127.0.0.1:{service_port()}"
     env = {**os.environ, wire.TOKEN_VARIABLE: TOKEN, "TORCHPASS_FAULTS": "kill@phase=publish"}
     first = subprocess.Popen([sys.executable, "-c", _PUBLISHER, endpoint, "5"], cwd=tmp_path, env=env)
@@ -115,7 +130,7 @@ def test_a_publisher_killed_mid_version_is_never_seen_torn_and_its_successor_ser
     replacer = threading.Thread(target=replace_when_lost)
     replacer.start()
     try:
-        subscriber = WeightSubscriber(endpoint, token=TOKEN, retry_s=0.05)
+        subscriber = WeightSubscriber(endpoint, token=TOKEN, retry_s=0.05, shared_memory=shared_memory)
         version, state = subscriber.latest(timeout=60)  # the first one dies half-way through sending it
         replacer.join(timeout=60)
         assert first.returncode == -signal.SIGKILL
@@ -185,15 +200,48 @@ class _RawSubscriber:
 
 _KILLED_MID_RECEIVE = textwrap.dedent("""
     import os, signal, socket, sys
+    from torchpass_plugins.core.peer_memory import SegmentId, map_peer
     from torchpass_plugins.weights import wire
     lines = wire.Lines(socket.create_connection(wire.address(sys.argv[1])))
     lines.send({"answer": wire.answer(sys.argv[2].encode(), lines.receive()["nonce"])})
     lines.receive()
-    lines.send({"have": -1, "wait": 10})
-    nbytes = lines.receive()["nbytes"]
-    lines.receive_into(memoryview(bytearray(nbytes // 3)))
+    mapped = sys.argv[3] == "True"
+    lines.send({"have": -1, "wait": 10, "map": mapped})
+    header = lines.receive()
+    if mapped:  # copying the version out of the publisher's copy, which the publisher holds for it
+        source = map_peer(SegmentId(*header["segment"]), header["nbytes"])
+        source[:header["nbytes"] // 3].clone()
+    else:
+        lines.receive_into(memoryview(bytearray(header["nbytes"] // 3)))
     os.kill(os.getpid(), signal.SIGKILL)
 """)
+_SUBSCRIBER_OF_ITS_OWN_USER_NAMESPACE = textwrap.dedent(f"""
+    import sys
+    sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r})
+    from test_weights import _assert_is
+    from torchpass_plugins.observe.events import EventLog
+    from torchpass_plugins.weights import WeightSubscriber
+    version, state = WeightSubscriber(sys.argv[1], events=EventLog(sys.argv[2])).latest(timeout=30)
+    _assert_is(state, version)
+    print(version)
+""")
+
+
+def test_a_subscriber_that_may_not_map_the_publishers_copies_is_sent_the_bytes(monkeypatch, tmp_path):
+    """In a user namespace of its own (a rootless container sharing the host's PIDs) a subscriber sees the
+    publisher's process but may not open its memory files: it is told so, and asks for bytes instead."""
+    monkeypatch.setenv(wire.TOKEN_VARIABLE, TOKEN)
+    with WeightPublisher("tcp://127.0.0.1:0") as publisher:
+        publisher.publish(_state(3), 3)
+        child = subprocess.run(["unshare", "--user", "--map-root-user", sys.executable, "-c",
+                                _SUBSCRIBER_OF_ITS_OWN_USER_NAMESPACE, publisher.endpoint, str(tmp_path / "events")],
+                               capture_output=True, text=True, timeout=60)
+        assert child.returncode == 0 and child.stdout.split() == ["3"], child.stderr
+        publisher.publish(_state(4), 4)
+        assert WeightSubscriber(publisher.endpoint).wait_newer(3, timeout=30)[0] == 4  # the publisher serves on
+    events = [record["event"] for record in map(json.loads, (tmp_path / "events").read_text().splitlines())]
+    assert events == ["weights_unmapped", "weights_received"]
+    assert _paths(tmp_path / "events") == {"tcp"}
 _PUBLISHER = textwrap.dedent(f"""
     import sys, time
     sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r})
@@ -257,6 +305,21 @@ def test_storage_goes_back_with_a_job_restarted_from_an_older_snapshot(tmp_path)
     _assert_is(state, 5)
     kept = sorted(p.name for p in (tmp_path / "weights").glob("v*"))
     assert kept == ["v000000000005.weights", "v000000000011.weights"]  # the newest and the one written before it
+
+
+def test_the_end_waits_for_an_expected_subscriber_that_is_not_connected_yet():
+    """A rank's shard publisher at the end of training waits for rank 0's follower by name: a spare that
+    took the rank over shortly before the end may not be followed yet, and must not exit before it is."""
+    with WeightPublisher("tcp://127.0.0.1:0", token=TOKEN) as publisher:
+        publisher.publish(_state(5), 5)
+        assert publisher.deliver_newest(0.3, expected=("rank0-follows-rank1",)) == ["rank0-follows-rank1"]
+        late = threading.Timer(0.5, lambda: WeightSubscriber(publisher.endpoint, token=TOKEN,
+                                                             name="rank0-follows-rank1").latest(timeout=10))
+        late.start()
+        started = time.monotonic()
+        assert publisher.deliver_newest(30, expected=("rank0-follows-rank1",)) == []
+        assert time.monotonic() - started >= 0.4  # it waited for the subscriber to come
+        late.join()
 
 
 def test_a_subscriber_that_never_asks_holds_the_end_of_training_back_only_so_long(tmp_path, monkeypatch):

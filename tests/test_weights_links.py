@@ -1,6 +1,7 @@
 """Weights published across a real network link that fails: two hosts as network namespaces on one bridge
 (``torchpass_plugins.testing.netns``), the publisher on one, a subscriber on the other, the link rate-limited
-so that a version is always on its way. A 3-second flap is ridden out on the same connection; a cut longer
+so that a version is always on its way (the subscriber receives bytes, although one kernel runs both "hosts"
+and it could map the publisher's copies). A 3-second flap is ridden out on the same connection; a cut longer
 than the subscriber's ``stall_s`` drops the version on its way, and the subscriber connects again once the
 link is back. Every version it takes is whole, and the publisher goes on meanwhile."""
 
@@ -53,7 +54,8 @@ def test_a_subscriber_rides_out_a_flap_and_reconnects_after_a_cut_and_every_vers
                                         str(ELEMENTS)], env=env)
             processes.append(publisher)
             follower = hosts.popen(1, [sys.executable, str(FOLLOWER), endpoint, str(received), "--final",
-                                       str(VERSIONS - 1), "--patience", "60", "--events", str(events)], env=env)
+                                       str(VERSIONS - 1), "--patience", "60", "--events", str(events), "--tcp"],
+                                      env=env)  # (the namespaces share a kernel: it could map the copies)
             processes.append(follower)
 
             def received_after(seconds: float) -> int:
@@ -86,6 +88,7 @@ def test_a_subscriber_rides_out_a_flap_and_reconnects_after_a_cut_and_every_vers
     for version, got in lines:  # whole: every byte of the version it claims to be
         assert got == digest({"w": torch.full((ELEMENTS,), float(version))}), f"version {version} is torn"
     received_at = {e["version"]: e["time"] for e in _events(events, "weights_received")}
+    assert {e["path"] for e in _events(events, "weights_received")} == {"tcp"}
     assert any(t > restored for t in received_at.values())  # it went on after the cut
     lost = [e["time"] for e in _events(events, "weights_connection_lost")]
     assert lost and min(lost) > flapped  # the flap cost no connection; the cut did

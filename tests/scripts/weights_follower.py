@@ -1,6 +1,7 @@
 """A rollout replica as the tests run it: follow the weights a job publishes, and write one line per version
 received, ``VERSION SHA256`` of its tensors, until the final version arrives or the publisher has been gone
-for ``--patience`` seconds. ``--events``: its event log (versions received, connections lost)."""
+for ``--patience`` seconds. ``--events``: its event log (versions received, connections lost). ``--tcp``:
+receive the bytes even on the publisher's host (a test of a link between network namespaces)."""
 
 from __future__ import annotations
 
@@ -28,8 +29,10 @@ def main() -> None:
     p.add_argument("--final", type=int, required=True)
     p.add_argument("--patience", type=float, default=20.0)
     p.add_argument("--events", default=None, help="the subscriber's event log")
+    p.add_argument("--tcp", action="store_true", help="never map the publisher's copies")
     args = p.parse_args()
-    subscriber = WeightSubscriber(args.endpoint, retry_s=0.05, events=EventLog(args.events, source="follower"))
+    subscriber = WeightSubscriber(args.endpoint, retry_s=0.05, events=EventLog(args.events, source="follower"),
+                                  shared_memory=not args.tcp)
     version = -1
     with open(args.out, "a", buffering=1) as out:
         while version < args.final:

@@ -7,7 +7,10 @@ round's share of a step fell from ~2% to ~0%). Such a thread may be starved, so 
 done (the fence, before the optimizer step changes the sources) copies what the idle thread has not
 started. A piece the idle thread started may still be in its hands, and would land late, with sources the
 optimizer step may have changed meanwhile: :meth:`IdleCopy.finish` waits for it a short while, and if it
-does not finish, the destination must be abandoned until the idle thread is gone (:attr:`settled`).
+does not finish, the destination must be abandoned until the piece has landed (:attr:`settled`).
+
+One such thread serves the process, copy after copy: starting a thread per copy cost the caller about a
+third of a millisecond, a share of a short step that publishing weights at every step would pay.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from __future__ import annotations
 import ctypes
 import os
 import threading
+from collections import deque
 from collections.abc import Callable, Sequence
 
 import torch
@@ -46,8 +50,8 @@ def copy_piece(dst: torch.Tensor, src: torch.Tensor) -> None:
 
 
 class IdleCopy:
-    """``pairs`` copied by a thread of the idle scheduling class, started at once; see the module docstring.
-    ``copy`` does one pair (tests hold a piece in the idle thread's hands with it)."""
+    """``pairs`` copied by the process's thread of the idle scheduling class, handed to it at once; see the
+    module docstring. ``copy`` does one pair (tests hold a piece in the idle thread's hands with it)."""
 
     def __init__(self, pairs: list[tuple[torch.Tensor, torch.Tensor]],
                  copy: Callable[[torch.Tensor, torch.Tensor], None] = copy_piece) -> None:
@@ -56,8 +60,7 @@ class IdleCopy:
         self._done = 0
         self._abandoned = False  # finish() gave up waiting for the idle thread
         self._cond = threading.Condition()
-        self._thread = threading.Thread(target=self._run, name="torchpass-idle-copy", daemon=True)
-        self._thread.start()
+        _idle_thread.take(self)
 
     def _claim(self) -> int | None:
         with self._cond:
@@ -71,11 +74,8 @@ class IdleCopy:
             self._done += 1
             self._cond.notify_all()
 
-    def _run(self) -> None:
-        try:
-            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # this thread only (Linux)
-        except (AttributeError, OSError):
-            pass  # no idle class here: a normal background thread
+    def run(self) -> None:
+        """(In the idle thread.) Copy pairs until none is left unclaimed."""
         while (i := self._claim()) is not None:
             self._copy(*self._pairs[i])
             self._copied()
@@ -101,5 +101,42 @@ class IdleCopy:
 
     @property
     def settled(self) -> bool:
-        """The idle thread is gone: nothing more will be written."""
-        return not self._thread.is_alive()
+        """Every pair is copied, the one the idle thread held too: nothing more will be written."""
+        with self._cond:
+            return self._done == len(self._pairs)
+
+
+class _IdleThread:
+    """The process's idle-class copying thread: copies are run in the order they were handed over. Started
+    with the first one, and again in a forked child (which has no thread of its parent's)."""
+
+    def __init__(self) -> None:
+        self._start_afresh()
+        os.register_at_fork(after_in_child=self._start_afresh)
+
+    def _start_afresh(self) -> None:
+        self._queue: deque[IdleCopy] = deque()
+        self._cond = threading.Condition()  # (a fork may have copied the parent's while held)
+        self._thread: threading.Thread | None = None
+
+    def take(self, copy: IdleCopy) -> None:
+        with self._cond:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._serve, name="torchpass-idle-copy", daemon=True)
+                self._thread.start()
+            self._queue.append(copy)
+            self._cond.notify()
+
+    def _serve(self) -> None:
+        try:
+            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # this thread only (Linux)
+        except (AttributeError, OSError):
+            pass  # no idle class here: a normal background thread
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._queue)
+                copy = self._queue.popleft()
+            copy.run()
+
+
+_idle_thread = _IdleThread()

@@ -1,4 +1,5 @@
-"""Memory that another process on the same host maps: how a ring replica skips the network.
+"""Memory that another process on the same host maps: how a ring replica, and a subscriber to published
+weights, skip the network.
 
 A segment is an anonymous memory file (``memfd``) of the process that writes it; a peer on the same host
 and in the same PID namespace opens it through ``/proc/<pid>/fd/<fd>`` and maps it, so what the writer
@@ -34,21 +35,32 @@ class SegmentId:
 
 
 class Segment:
-    """``nbytes`` of this process's memory that a same-host peer can map."""
+    """``nbytes`` of this process's memory that a same-host peer can map. ``pinned``: also page-locked for
+    CUDA (registered as DCP's stager registers its shared buffers), so device copies into it run as DMA."""
 
-    def __init__(self, nbytes: int) -> None:
+    def __init__(self, nbytes: int, pinned: bool = False) -> None:
         self.fd = os.memfd_create("torchpass-replica", os.MFD_CLOEXEC)
         os.ftruncate(self.fd, nbytes)
         st = os.fstat(self.fd)
         self.id = SegmentId(os.getpid(), self.fd, st.st_dev, st.st_ino)
         self.tensor = _map(self.fd, nbytes)
+        self.pinned = pinned and nbytes > 0
+        if self.pinned:
+            error = int(torch.cuda.cudart().cudaHostRegister(self.tensor.data_ptr(), nbytes, 1))  # portable
+            if error:
+                os.close(self.fd)
+                raise OSError(f"CUDA could not page-lock {nbytes} bytes of shared memory (cudaError {error})")
 
     @property
     def nbytes(self) -> int:
         return self.tensor.numel()
 
     def close(self) -> None:
-        """No peer can map it from now on; existing mappings (``tensor`` too) stay valid."""
+        """No peer can map it from now on; existing mappings (``tensor`` too) stay valid, but no longer
+        page-locked."""
+        if self.pinned:
+            torch.cuda.cudart().cudaHostUnregister(self.tensor.data_ptr())
+            self.pinned = False
         os.close(self.fd)
 
 
@@ -63,6 +75,13 @@ def map_peer(segment: SegmentId, nbytes: int) -> torch.Tensor:
         return _map(fd, nbytes)
     finally:
         os.close(fd)
+
+
+def host_identity() -> str:
+    """Equal for two processes exactly when one can map the other's segments: the same kernel (its boot
+    id) and the same PID namespace."""
+    with open("/proc/sys/kernel/random/boot_id") as boot:
+        return f"{boot.read().strip()}/{os.stat('/proc/self/ns/pid').st_ino}"
 
 
 def map_predecessor(segment: SegmentId, nbytes: int, settled: bool) -> torch.Tensor | None:

@@ -7,6 +7,10 @@ the optimizer step changes the weights, copies what is left and makes the copy t
 subscriber's connection is served by a thread of its own, from the copy that was newest when it asked, and
 the CRC-32 that protects the version is computed as it is sent (once per version) and sent after it.
 
+A subscriber on the same host (same kernel, same PID namespace) is not sent the bytes: the copies are
+memory files (``memfd``, :mod:`~torchpass_plugins.core.peer_memory`) that it maps, and it copies the
+version out while the publisher holds it for it (no checksum: no byte crosses a link).
+
 Copies are never written while a subscriber reads them: there are a few of them, and a publication that
 finds every one newest, being read or being staged is skipped (logged), so a subscriber that reads slowly
 costs the trainer nothing and gets the newest version when it asks again. A subscriber that disconnects
@@ -27,6 +31,7 @@ from typing import Any
 
 import torch
 
+from torchpass_plugins.core.peer_memory import Segment, host_identity
 from torchpass_plugins.observe.events import EventLog
 from torchpass_plugins.testing import faults
 from torchpass_plugins.weights import wire
@@ -42,13 +47,18 @@ _WAIT_FOR_A_COPY_S = 60.0  # publish(wait=True): the longest it waits for a copy
 
 @dataclass
 class _Copy:
-    buffer: torch.Tensor
+    segment: Segment  # its memory, which subscribers on this host map
     entries: list[wire.Entry]
     version: int = -1
     crc: int | None = None  # computed by the first complete send
     readers: int = 0  # subscribers being sent this copy
     busy: bool = True  # being staged: not yet a version anyone may read
     stall_s: float = 0.0  # what staging it cost the training loop
+    plan: Any = None  # the pieces the idle thread copies into it, while the sources are the same tensors
+
+    @property
+    def buffer(self) -> torch.Tensor:
+        return self.segment.tensor
 
 
 @dataclass
@@ -95,6 +105,7 @@ class WeightPublisher:
         self._address = wire.address(endpoint)
         self._listener: socket.socket | None = None
         self._served: dict[socket.socket, _Peer] = {}
+        self._sent_to: dict[str, int] = {}  # the newest version sent whole to each subscriber, by name
         try:
             self._listener = socket.create_server(self._address, backlog=64)
         except OSError as exc:
@@ -158,7 +169,7 @@ class WeightPublisher:
         copy = staging.owner
         if not staging.finish(_GRACE_S):
             with self._changed:  # the idle thread may still write into it: never serve or reuse this copy
-                self._copies.remove(copy)
+                self._forget(copy)
                 self._last_version = self._newest.version if self._newest is not None else -1
             self.events.emit("weights_skipped", version=copy.version, reason="the copy was not done in time")
             return time.perf_counter() - started
@@ -180,17 +191,21 @@ class WeightPublisher:
                         if copy.entries == entries:
                             copy.busy = True
                             return copy
-                        self._copies.remove(copy)  # the model's layout changed: this copy is of no use
+                        self._forget(copy)  # the model's layout changed: this copy is of no use
                         break
                 if len(self._copies) < self._max_copies:
-                    pinned = torch.cuda.is_available()
-                    copy = _Copy(torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned), entries)
+                    copy = _Copy(Segment(nbytes, pinned=torch.cuda.is_available()), entries)
                     self._copies.append(copy)
                     return copy
                 left = deadline - time.monotonic()
                 if not wait or self._closed or left <= 0:
                     return None
                 self._changed.wait(left)
+
+    def _forget(self, copy: _Copy) -> None:
+        """(Under the lock.) ``copy`` is never served again; a subscriber that mapped it keeps its mapping."""
+        self._copies.remove(copy)
+        copy.segment.close()
 
     # -- background ------------------------------------------------------------------------------------
     def _accept_loop(self) -> None:
@@ -220,7 +235,7 @@ class WeightPublisher:
         try:
             sock.settimeout(_HANDSHAKE_TIMEOUT_S)
             nonce = wire.new_nonce()
-            lines.send({"hello": wire.MAGIC, "nonce": nonce})
+            lines.send({"hello": wire.MAGIC, "nonce": nonce, "host": host_identity()})
             hello = lines.receive()
             if not wire.accepted(self._token, nonce, str(hello.get("answer", ""))):
                 lines.send({"error": "the publisher refused the token"})
@@ -231,7 +246,7 @@ class WeightPublisher:
             peer.name = str(hello.get("name", ""))[:200] or peer.name
             while not self._closed:
                 request = lines.receive()
-                self._answer(lines, int(request["have"]), float(request["wait"]), peer)
+                self._answer(lines, int(request["have"]), float(request["wait"]), bool(request.get("map")), peer)
         except (OSError, ConnectionError, ValueError, KeyError, TypeError):
             return  # the subscriber left, stalled or spoke nonsense: its copy (if any) was freed by _answer
         finally:
@@ -265,42 +280,63 @@ class WeightPublisher:
         self._stored = copy.version
         self.release(copy)
 
-    def _answer(self, lines: wire.Lines, have: int, wait: float, peer: _Peer) -> None:
+    def _answer(self, lines: wire.Lines, have: int, wait: float, mapped: bool, peer: _Peer) -> None:
         copy = self.hold_newest(have, wait)
         if copy is None:
             lines.send({"version": None})  # (not under the lock: a subscriber that does not read would hold it)
             return
         started = time.perf_counter()
         try:
-            lines.send(wire.header(copy.version, copy.entries, copy.buffer.numel()))
-            payload, crc, half = memoryview(copy.buffer.numpy()), 0, copy.buffer.numel() // 2
-            for low, high in ((0, half), (half, len(payload))):
-                if low:
-                    faults.point("publish")  # (a test's fault: the publisher dies in the middle of a version)
-                for start in range(low, high, CHUNK):
-                    piece = payload[start:min(start + CHUNK, high)]
-                    lines.sock.sendall(piece)
-                    if copy.crc is None:
-                        crc = zlib.crc32(piece, crc)
-            if copy.crc is None:
-                copy.crc = crc
-            lines.send({"crc32": copy.crc})
-            peer.sent = copy.version  # (the finally below notifies deliver_newest)
+            if mapped and not self._lend(lines, copy, peer):
+                return
+            if not mapped:
+                self._send(lines, copy, peer)
             self.events.emit("weights_sent", subscriber=peer.name, version=copy.version, bytes=copy.buffer.numel(),
-                             seconds=time.perf_counter() - started, newest=self._newest.version)  # (the lag)
+                             seconds=time.perf_counter() - started, newest=self._newest.version,  # (the lag)
+                             path="shared_memory" if mapped else "tcp")
         finally:
             self.release(copy)
 
-    def deliver_newest(self, timeout: float) -> list[str]:
-        """Wait until every subscriber connected now has been sent the newest version whole (or has left),
-        and the storage has it, at most ``timeout`` seconds; the names of those that have not (``storage``).
-        At the end of training: the process that publishes may exit right after its last publication, which
-        would cut that version off."""
+    def _lend(self, lines: wire.Lines, copy: _Copy, peer: _Peer) -> bool:
+        """A subscriber on this host: where to map the version; the copy stays held until the subscriber says
+        it has copied the version out (True) or could not map it (False: it asks for bytes from then on), or
+        leaves."""
+        lines.send(wire.header(copy.version, copy.entries, copy.buffer.numel(), copy.segment.id.to_list()))
+        faults.point("publish")  # (a test's fault: the publisher dies in the middle of a version)
+        if not lines.receive().get("mapped"):
+            return False
+        peer.sent = self._sent_to[peer.name] = copy.version  # (release, in _answer, notifies deliver_newest)
+        return True
+
+    def _send(self, lines: wire.Lines, copy: _Copy, peer: _Peer) -> None:
+        """The version's bytes over the connection, its CRC-32 computed as they go (the first time)."""
+        lines.send(wire.header(copy.version, copy.entries, copy.buffer.numel()))
+        payload, crc, half = memoryview(copy.buffer.numpy()), 0, copy.buffer.numel() // 2
+        for low, high in ((0, half), (half, len(payload))):
+            if low:
+                faults.point("publish")  # (a test's fault: the publisher dies in the middle of a version)
+            for start in range(low, high, CHUNK):
+                piece = payload[start:min(start + CHUNK, high)]
+                lines.sock.sendall(piece)
+                if copy.crc is None:
+                    crc = zlib.crc32(piece, crc)
+        if copy.crc is None:
+            copy.crc = crc
+        lines.send({"crc32": copy.crc})
+        peer.sent = self._sent_to[peer.name] = copy.version  # (release, in _answer, notifies deliver_newest)
+
+    def deliver_newest(self, timeout: float, expected: tuple[str, ...] = ()) -> list[str]:
+        """Wait until every subscriber connected now, and every one named in ``expected`` (connected or not
+        yet), has been sent the newest version whole (or, connected, has left), and the storage has it, at
+        most ``timeout`` seconds; the names of those that have not (``storage``). At the end of training:
+        the process that publishes may exit right after its last publication, which would cut that version
+        off."""
         deadline = time.monotonic() + timeout
         with self._changed:
             while True:
                 newest = self._newest.version if self._newest is not None else -1
                 behind = [peer.name for peer in self._served.values() if peer.sent < newest]
+                behind += [name for name in expected if self._sent_to.get(name, -1) < newest and name not in behind]
                 behind += ["storage"] if self._stored is not None and self._stored < newest else []
                 left = deadline - time.monotonic()
                 if not behind or self._closed or left <= 0:
@@ -314,6 +350,8 @@ class WeightPublisher:
             self._closed = True
             self._changed.notify_all()
             served = list(self._served)
+            for copy in list(self._copies):
+                self._forget(copy)
         for sock in ([self._listener] if self._listener is not None else []) + served:
             try:
                 sock.shutdown(socket.SHUT_RDWR)

@@ -74,13 +74,14 @@ class ShardedPublishing(RankZeroPublishing):
             return
         self._stage(rank, step, module, events, last=True)
         self._delivering = True
-        threading.Thread(target=self._deliver_last, args=(events, step), name="weights-last-delivery").start()
+        threading.Thread(target=self._deliver_last, args=(events, step, rank), name="weights-last-delivery").start()
 
-    def _deliver_last(self, events: Any, step: int) -> None:
+    def _deliver_last(self, events: Any, step: int, rank: int) -> None:
         if self.collector is None and self.shard_publisher is None:
             return  # (a spare that never held its rank's state: nothing of its own was published)
         if self.collector is None:
-            self.shard_publisher.deliver_newest(rank_zero.LAST_DELIVERY_S)
+            # (rank 0 may not follow this process yet: a spare that took the rank over shortly before the end)
+            self.shard_publisher.deliver_newest(rank_zero.LAST_DELIVERY_S, expected=(_follower(rank),))
             self.shard_publisher.close()
             return
         if not self.collector.wait_published(step, rank_zero.LAST_DELIVERY_S):
@@ -168,7 +169,7 @@ class ShardCollector:
                     if subscriber is not None:
                         subscriber.close()
                     endpoint = current
-                    subscriber = (WeightSubscriber(endpoint, name=f"rank0-follows-rank{rank}", retry_s=0.05)
+                    subscriber = (WeightSubscriber(endpoint, name=_follower(rank), retry_s=0.05)
                                   if endpoint else None)
                 if subscriber is None:
                     time.sleep(0.1)
@@ -224,6 +225,11 @@ class ShardCollector:
         with self._changed:
             self._closed = True
             self._changed.notify_all()
+
+
+def _follower(rank: int) -> str:
+    """The name rank 0's follower of ``rank``'s shards gives itself."""
+    return f"rank0-follows-rank{rank}"
 
 
 def _address_towards(host: str) -> str:

@@ -16,7 +16,7 @@ from torchpass_plugins.weights import wire
 
 @dataclass
 class Staging:
-    owner: Any  # what the buffer belongs to (the publisher's copy)
+    owner: Any  # what the buffer belongs to (the publisher's copy; its ``plan`` keeps the pieces to copy)
     idle: IdleCopy | None
     device_done: list[torch.cuda.Event] = field(default_factory=list)
 
@@ -29,11 +29,13 @@ class Staging:
         idle_sources, device_done = [], []
         with torch.no_grad():
             for entry, tensor in zip(entries, state.values(), strict=True):
-                tensor, dst = tensor.detach(), wire.view(buffer, entry)
-                if (tensor.data_ptr() in later and tensor.device.type == "cpu" and tensor.dtype == dst.dtype
-                        and tensor.is_contiguous()):
+                tensor = tensor.detach()
+                if (tensor.data_ptr() in later and tensor.device.type == "cpu"
+                        and str(tensor.dtype).removeprefix("torch.") == entry.dtype and tensor.is_contiguous()):
                     idle_sources.append((entry.offset, tensor.reshape(-1).view(torch.uint8)))
-                elif tensor.is_cuda and tensor.data_ptr() in later:
+                    continue
+                dst = wire.view(buffer, entry)
+                if tensor.is_cuda and tensor.data_ptr() in later:
                     stream = side_stream(tensor.device)
                     stream.wait_stream(torch.cuda.current_stream(tensor.device))
                     with torch.cuda.stream(stream):
@@ -42,8 +44,12 @@ class Staging:
                     device_done.append(stream.record_event())
                 else:
                     dst.copy_(tensor)
-        idle = IdleCopy(pieces(buffer, idle_sources)) if idle_sources else None
-        return cls(owner, idle, device_done)
+        if not idle_sources:
+            return cls(owner, None, device_done)
+        sources = tuple((offset, src.data_ptr(), src.numel()) for offset, src in idle_sources)
+        if owner.plan is None or owner.plan[0] != sources:  # (the same tensors as last time: the same pieces)
+            owner.plan = (sources, pieces(buffer, idle_sources))
+        return cls(owner, IdleCopy(owner.plan[1]), device_done)
 
     def finish(self, grace_s: float) -> bool:
         """Copy what is left; False when the idle thread held a piece longer than ``grace_s`` (it may still

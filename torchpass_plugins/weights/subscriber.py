@@ -3,19 +3,28 @@
 Every version arrives in a buffer of its own and is handed out only after its checksum matches, so a
 connection cut in the middle (the publisher's process lost, a link down) leaves nothing half-written: the
 subscriber reconnects, to the same endpoint, and asks again for a version newer than the one it has.
+
+On the publisher's host the bytes are not sent: the subscriber maps the publisher's copy of the version
+and copies it out while the publisher holds it for it. The publisher never writes into a copy that is
+held, nor offers one it has not finished, so what is copied out is whole without a checksum pass (which
+would cost more than the copy); should the publisher die meanwhile, the mapping keeps the copy alive.
 """
 
 from __future__ import annotations
 
+import mmap
 import os
 import socket
 import time
 
 import torch
 
+from torchpass_plugins.core.peer_memory import SegmentId, host_identity, map_peer
 from torchpass_plugins.observe.events import EventLog
 from torchpass_plugins.weights import wire
 from torchpass_plugins.weights.storage import VersionStore
+
+_MAPPINGS_KEPT = 4  # a publisher rotates a few copies (3 by default)
 
 
 class TokenRefused(PermissionError):
@@ -29,11 +38,12 @@ class WeightSubscriber:
     not there (yet, or any more: a trainer rank being replaced). ``stall_s``: a version of which no byte
     arrives for this long (a link down) is given up, and asked for again on a new connection. ``storage``
     (with ``storage_options``): where the publisher also writes versions (its ``storage``); after
-    ``fallback_s`` seconds without reaching the publisher, a newer version found there is taken."""
+    ``fallback_s`` seconds without reaching the publisher, a newer version found there is taken.
+    ``shared_memory``: on the publisher's host, map its copies instead of receiving the bytes over TCP."""
 
     def __init__(self, endpoint: str, token: str | None = None, name: str | None = None, retry_s: float = 0.2,
                  stall_s: float = 10.0, events: EventLog | None = None, storage: str | None = None,
-                 storage_options: dict | None = None, fallback_s: float = 30.0) -> None:
+                 storage_options: dict | None = None, fallback_s: float = 30.0, shared_memory: bool = True) -> None:
         self._address = wire.address(endpoint)
         self.name = name or f"{socket.gethostname()}:{os.getpid()}"
         self._token = wire.token_or_env(token)
@@ -45,6 +55,11 @@ class WeightSubscriber:
         self._storage = VersionStore(storage, storage_options) if storage is not None else None
         self._fallback_s = fallback_s
         self._unreached_since: float | None = None  # since when the publisher has not been reached
+        self._shared_memory = shared_memory
+        self._maps = False  # the connection's publisher is on this host, and its copies are mapped
+        self._mapped: dict[tuple[int, ...], torch.Tensor] = {}  # its copies mapped so far, newest last
+        self._nbytes = 0  # the size of the last version received
+        self._ready: torch.Tensor | None = None  # a buffer of that size, its pages already in memory
 
     def latest(self, timeout: float | None = None) -> tuple[int, dict[str, torch.Tensor]]:
         """The newest version the publisher has (waiting up to ``timeout`` seconds for a first one)."""
@@ -81,7 +96,8 @@ class WeightSubscriber:
                 wait = min(left, 5.0)  # short waits: a lost publisher shows soon
                 lines.sock.settimeout(wait + self._stall_s)
                 asked = time.monotonic()
-                lines.send({"have": have, "wait": wait})
+                lines.send({"have": have, "wait": wait, "map": self._maps})
+                self._prepare_buffer()
                 record = lines.receive()
                 self._unreached_since = None
                 if record.get("version") is None:
@@ -91,11 +107,10 @@ class WeightSubscriber:
                 started = time.perf_counter()
                 version, entries, nbytes = wire.parse_header(record, newer_than=have)
                 lines.sock.settimeout(self._stall_s)
-                buffer = torch.empty(nbytes, dtype=torch.uint8)
-                crc = lines.receive_into(memoryview(buffer.numpy()))
-                if lines.receive().get("crc32") != crc:
-                    self.discarded += 1
-                    self._disconnect()
+                path = "shared_memory" if "segment" in record else "tcp"
+                buffer = (self._copy_mapped(lines, record["segment"], nbytes) if "segment" in record
+                          else self._receive_checked(lines, nbytes))
+                if buffer is None:
                     continue
             except TokenRefused:
                 raise
@@ -109,8 +124,57 @@ class WeightSubscriber:
                 continue
             self.version = version
             self.events.emit("weights_received", version=version, bytes=nbytes,
-                             seconds=time.perf_counter() - started)
+                             seconds=time.perf_counter() - started, path=path)
             return version, {e.name: wire.view(buffer, e) for e in entries}
+
+    def _prepare_buffer(self) -> None:
+        """While the publisher is asked: the next version's buffer (the size of the last), its pages faulted
+        in now rather than as the version is copied into it (for hundreds of MB, a good part of the copy)."""
+        if self._ready is None and self._nbytes:
+            self._ready = torch.empty(self._nbytes, dtype=torch.uint8)
+            self._ready[::mmap.PAGESIZE].zero_()
+
+    def _buffer(self, nbytes: int) -> torch.Tensor:
+        """A buffer for a version of ``nbytes``, handed out with it."""
+        self._nbytes = nbytes
+        ready, self._ready = self._ready, None
+        return ready if ready is not None and ready.numel() == nbytes else torch.empty(nbytes, dtype=torch.uint8)
+
+    def _receive_checked(self, lines: wire.Lines, nbytes: int) -> torch.Tensor | None:
+        """The version's bytes from the connection; None (and a new connection) if the checksum differs."""
+        buffer = self._buffer(nbytes)
+        crc = lines.receive_into(memoryview(buffer.numpy()))
+        if lines.receive().get("crc32") != crc:
+            self.discarded += 1
+            self._disconnect()
+            return None
+        return buffer
+
+    def _copy_mapped(self, lines: wire.Lines, segment: list[int], nbytes: int) -> torch.Tensor | None:
+        """The version copied out of the publisher's copy, which it holds until told so; None where the copy
+        cannot be mapped (another user namespace, say): this subscriber asks for bytes from then on."""
+        key = (*segment, nbytes)
+        mapped = self._mapped.pop(key, None)
+        if mapped is None:
+            try:
+                mapped = map_peer(SegmentId(*segment), nbytes)
+            except FileNotFoundError as exc:  # the publisher's process, or its copy, is gone
+                raise ConnectionError(f"the publisher's copy is gone: {exc}") from None
+            except (OSError, TypeError) as exc:
+                lines.send({"mapped": False, "error": str(exc)})
+                self._maps = self._shared_memory = False
+                self.events.emit("weights_unmapped", error=str(exc))
+                return None
+        self._mapped[key] = mapped  # kept while connected: the copies rotate (a fresh mapping costs page faults)
+        while len(self._mapped) > _MAPPINGS_KEPT:
+            del self._mapped[next(iter(self._mapped))]
+        buffer = self._buffer(nbytes)
+        buffer.copy_(mapped)
+        try:
+            lines.send({"mapped": True})  # the publisher may reuse its copy
+        except OSError:
+            self._disconnect()  # (the copy is whole: the publisher died after lending it)
+        return buffer
 
     def _from_storage(self, have: int) -> tuple[int, dict[str, torch.Tensor]] | None:
         """Once the publisher has been out of reach for ``fallback_s``: a version newer than ``have`` from
@@ -137,6 +201,7 @@ class WeightSubscriber:
             lines = wire.Lines(sock)
             try:
                 hello = lines.receive()
+                self._maps = self._shared_memory and hello.get("host") == host_identity()
                 if hello.get("hello") != wire.MAGIC:
                     raise ConnectionError(f"not a torchpass weights publisher: {str(hello)[:200]}")
                 nonce = wire.new_nonce()
@@ -155,6 +220,7 @@ class WeightSubscriber:
         return self._lines
 
     def _disconnect(self) -> None:
+        self._mapped.clear()  # (mappings keep a lost publisher's copies alive)
         if self._lines is not None:
             self._lines.sock.close()
             self._lines = None

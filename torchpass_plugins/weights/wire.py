@@ -6,6 +6,10 @@ with the CRC-32 of the bytes (computed as they are sent, so checking costs no pa
 subscriber checks the CRC after the last byte arrives, so a version it hands out is never torn, whatever
 happened to the connection or the publisher meanwhile.
 
+A subscriber on the publisher's host gets, in the header, where to map the bytes (a memory file of the
+publisher's, see :mod:`~torchpass_plugins.core.peer_memory`) instead of the bytes, and answers whether it
+copied the version out, which frees the copy.
+
 A connection starts with the publisher's challenge (a random nonce); the subscriber answers with the
 HMAC-SHA256 of the nonce under the shared token and a challenge of its own, which the publisher answers
 likewise. So the token never crosses the network, an answer cannot be replayed on another connection,
@@ -66,9 +70,12 @@ def view(buffer: torch.Tensor, entry: Entry) -> torch.Tensor:
     return buffer[entry.offset:entry.offset + entry.nbytes].view(_DTYPES[entry.dtype]).view(entry.shape)
 
 
-def header(version: int, entries: list[Entry], nbytes: int) -> bytes:
-    return json.dumps({"version": version, "nbytes": nbytes,
-                       "tensors": [[e.name, e.dtype, list(e.shape), e.offset, e.nbytes] for e in entries]}).encode()
+def header(version: int, entries: list[Entry], nbytes: int, segment: list[int] | None = None) -> bytes:
+    """A version's header; with ``segment`` (a same-host subscriber), where to map the bytes instead of
+    receiving them."""
+    record = {"version": version, "nbytes": nbytes,
+              "tensors": [[e.name, e.dtype, list(e.shape), e.offset, e.nbytes] for e in entries]}
+    return json.dumps(record if segment is None else {**record, "segment": segment}).encode()
 
 
 def parse_header(record: dict[str, Any], newer_than: int) -> tuple[int, list[Entry], int]:
