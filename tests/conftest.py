@@ -2,15 +2,45 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
+import os
 import shutil
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
 from jobs import Job, free_port, run
 
+from torchpass_plugins.control.fork_server import VARIABLE
+from torchpass_plugins.testing.chaos.jobs import JOB_ENVIRONMENT
 from torchpass_plugins.testing.chaos.oracle import differences
 
 STEPS = 20
+
+
+@pytest.fixture(scope="session", autouse=True)
+def fork_server(tmp_path_factory):
+    """One ``torchpass fork-server`` per test process: the few hundred jobs of the suite fork their agents'
+    fork servers from it instead of importing torch and Lightning each time (jobs in network namespaces,
+    or with other preloaded modules, start their own, as without it)."""
+    path = tmp_path_factory.getbasetemp() / "fork-server.sock"
+    log = open(tmp_path_factory.getbasetemp() / "fork-server.log", "w")
+    server = subprocess.Popen([sys.executable, "-u", "-c", "import sys; from torchpass_plugins.cli import main; "
+                               "sys.exit(main())", "fork-server", "--socket", str(path)],
+                              env={**os.environ, **JOB_ENVIRONMENT}, stdout=log, stderr=subprocess.STDOUT,
+                              start_new_session=True)
+    deadline = time.monotonic() + 120
+    while not path.exists():
+        assert server.poll() is None and time.monotonic() < deadline, "the fork server did not start"
+        time.sleep(0.1)
+    os.environ[VARIABLE] = str(path)
+    yield path
+    os.environ.pop(VARIABLE, None)
+    os.killpg(server.pid, signal.SIGKILL)
+    server.wait()
+    log.close()
 
 
 @pytest.fixture(scope="session")

@@ -72,7 +72,17 @@ def main(argv: list[str] | None = None) -> int:
     chaos.add_argument("--doc", default=None, help="write the result table into this Markdown file")
     rep = sub.add_parser("report", help="summary table and timeline PNG of a run, from RUN_DIR/events.jsonl")
     rep.add_argument("run_dir")
+    forks = sub.add_parser("fork-server", help="import torch and Lightning once for successive jobs on this machine "
+                           "(a sweep, a test suite): their agents fork their workers' fork server from it")
+    forks.add_argument("--socket", required=True, help="the path to listen at: what TORCHPASS_FORK_SERVER names")
+    forks.add_argument("--preload", default=TorchPassConfig.preload,
+                       help="modules to import once: the jobs' --preload, which must be the same")
     ns = parser.parse_args(argv)
+    if ns.cmd == "fork-server":
+        from torchpass_plugins.control.fork_server import run
+
+        run(ns.socket, [m for m in ns.preload.split(",") if m.strip()])
+        return 0
     if ns.cmd == "report":
         from torchpass_plugins.observe.report import report
 

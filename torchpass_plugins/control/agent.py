@@ -104,6 +104,8 @@ class Agent:
         self.events.emit("agent_started", node=cfg.node_rank, endpoint=self.endpoint, slots=cfg.nproc_per_node,
                          spares=cfg.spares, world_size=cfg.world_size)
         self._zygote = Zygote(list(cfg.preload)) if cfg.preload else None
+        if self._zygote is not None:
+            self.events.emit("fork_server_started", pid=self._zygote.proc.pid, shared=self._zygote.shared)
         for slot in self.slots:
             self._spawn(slot)
         threading.Thread(target=HealthWatch(cfg.health).run, args=(self._watched_devices, self._on_device, self._done),

@@ -22,6 +22,7 @@ import threading
 import time
 
 from torchpass_plugins._compat.interpreter import run_exit_steps
+from torchpass_plugins.control import fork_server
 
 _PR_SET_PDEATHSIG = 1
 
@@ -130,12 +131,41 @@ class Worker:
         self._signal(signal.SIGTERM)
 
 
+class _Forked:
+    """A zygote that a ``torchpass fork-server`` forked for this agent: not its child, so it is watched
+    through a pidfd, and its exit status is its parent's to know (-1 here)."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self._fd = os.pidfd_open(pid)
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None and select.select([self._fd], [], [], 0)[0]:
+            self.returncode = -1
+            os.close(self._fd)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        if self.returncode is None and not select.select([self._fd], [], [], timeout)[0]:
+            raise subprocess.TimeoutExpired(f"zygote {self.pid}", timeout)
+        return self.poll()
+
+    def kill(self) -> None:
+        if self.poll() is None:
+            signal.pidfd_send_signal(self._fd, signal.SIGKILL)
+
+
 class Zygote:
-    """The agent's side: starts the fork server, asks it for workers, learns of their exits."""
+    """The agent's side: starts the fork server (or has a ``torchpass fork-server`` fork it), asks it for
+    workers, learns of their exits."""
 
     def __init__(self, preload: list[str]) -> None:
         ours, theirs = socket.socketpair()
-        self.proc = subprocess.Popen(
+        server = os.environ.get(fork_server.VARIABLE)
+        forked = fork_server.ask(server, preload, theirs) if server else None
+        self.shared = forked is not None  # forked from a torchpass fork-server
+        self.proc: subprocess.Popen | _Forked = _Forked(forked) if forked else subprocess.Popen(
             [sys.executable, "-u", "-c", "import sys; from torchpass_plugins.control.zygote import serve; "
              f"serve({theirs.fileno()}, sys.argv[1:])", *preload],
             pass_fds=[theirs.fileno()],

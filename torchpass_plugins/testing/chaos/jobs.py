@@ -26,6 +26,8 @@ JOB_TIMEOUT = 240.0
 # several workers on a node but all threads to a single one: jobs whose ranks are spread over nodes in
 # other ways are comparable bit for bit only with the same count everywhere.
 SAME_ROUNDING = {"OMP_NUM_THREADS": "1"}
+# What every job's agents run with: a hung job's workers print every thread's stack on SIGABRT.
+JOB_ENVIRONMENT = {**SAME_ROUNDING, "PYTHONFAULTHANDLER": "1"}
 
 
 def free_port() -> int:
@@ -140,8 +142,9 @@ class Job:
                 time.sleep(1.0)  # one worker at a time: their dumps share the log
 
     def leftovers(self) -> list[int]:
-        """Live processes of the job once it ended: any in its agents' sessions (the agents, fork servers)
-        and every worker it started (each leads a session of its own); a second look after 1 s spares
+        """Live processes of the job once it ended: any in its agents' sessions (the agents, fork servers),
+        every fork server forked by a ``torchpass fork-server`` and every worker it started (each leads a
+        session of its own); a second look after 1 s spares
         the processes that were on their way out."""
         left = self._live()
         if left:
@@ -152,6 +155,7 @@ class Job:
     def _live(self) -> list[int]:
         sessions = {agent.pid for agent in self.agents}
         live = {pid for pid in self.worker_pids().values() if alive(pid)}
+        live |= {e["pid"] for e in self.events("fork_server_started") if alive(e["pid"])}  # (one forked elsewhere)
         for stat in Path("/proc").glob("[0-9]*/stat"):
             try:
                 fields = stat.read_text().rsplit(")", 1)[1].split()
@@ -209,8 +213,7 @@ def start(
     """Start the agents of one job (``nnodes`` simulated nodes on this machine). ``node_0_first``: an event
     node 0 must have logged before the other nodes start (``coordinator_elected``: it coordinates; on a busy
     machine a later node's agent may otherwise win the election)."""
-    env = {**os.environ, **SAME_ROUNDING, "TORCHPASS_FAULTS": faults, "TORCHPASS_JOIN_TOKEN": "test-token",
-           "PYTHONFAULTHANDLER": "1"}  # a hung job's workers print every thread's stack on SIGABRT
+    env = {**os.environ, **JOB_ENVIRONMENT, "TORCHPASS_FAULTS": faults, "TORCHPASS_JOIN_TOKEN": "test-token"}
     env.pop(WORKER_VARIABLE, None)
     job = Job(run_dir)
     endpoint = f"127.0.0.1:{free_port() if nnodes > 1 else 0}"
