@@ -24,13 +24,16 @@ STEPS = 20
 def fork_server(tmp_path_factory):
     """One ``torchpass fork-server`` per test process: the few hundred jobs of the suite fork their agents'
     fork servers from it instead of importing torch and Lightning each time (jobs in network namespaces,
-    or with other preloaded modules, start their own, as without it)."""
+    or with other preloaded modules, start their own, as without it). Every process the tests start gets
+    the jobs' environment, so that jobs started otherwise than through ``jobs.start`` (examples, Hydra,
+    other launchers) match the server too."""
+    saved = {name: os.environ.get(name) for name in JOB_ENVIRONMENT}
+    os.environ.update(JOB_ENVIRONMENT)
     path = tmp_path_factory.getbasetemp() / "fork-server.sock"
     log = open(tmp_path_factory.getbasetemp() / "fork-server.log", "w")
     server = subprocess.Popen([sys.executable, "-u", "-c", "import sys; from torchpass_plugins.cli import main; "
                                "sys.exit(main())", "fork-server", "--socket", str(path)],
-                              env={**os.environ, **JOB_ENVIRONMENT}, stdout=log, stderr=subprocess.STDOUT,
-                              start_new_session=True)
+                              stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     deadline = time.monotonic() + 120
     while not path.exists():
         assert server.poll() is None and time.monotonic() < deadline, "the fork server did not start"
@@ -38,6 +41,11 @@ def fork_server(tmp_path_factory):
     os.environ[VARIABLE] = str(path)
     yield path
     os.environ.pop(VARIABLE, None)
+    for name, value in saved.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
     os.killpg(server.pid, signal.SIGKILL)
     server.wait()
     log.close()

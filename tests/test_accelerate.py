@@ -164,7 +164,8 @@ def test_rank_0_of_a_loop_that_publishes_weights_is_killed_mid_publication_and_t
     monkeypatch.setenv(TOKEN_VARIABLE, "a-token")
     endpoint, received = f"tcp://127.0.0.1:{service_port()}", tmp_path / "received.txt"
     follower = subprocess.Popen([sys.executable, str(FOLLOWER), endpoint, str(received), "--final", str(STEPS),
-                                 "--patience", "120"])
+                                 "--patience", "120"], stdout=subprocess.PIPE, text=True)
+    assert follower.stdout.readline() == "following\n"  # before the job starts (which may take less time)
     try:
         job, codes = run(tmp_path / "job", nproc=4, spares=1, script=EXAMPLE, faults="kill@rank=0,step=9,phase=publish",
                          train_args=("--publish-weights", endpoint))

@@ -442,7 +442,9 @@ def _job_with_a_follower(run_dir: Path, nproc: int, spares: int, faults: str = "
     endpoint = f"tcp://127.0.0.1:{service_port()}"
     received = run_dir / "received.txt"
     run_dir.mkdir(parents=True)
-    follower = subprocess.Popen([sys.executable, str(FOLLOWER), endpoint, str(received), "--final", str(JOB_STEPS)])
+    follower = subprocess.Popen([sys.executable, str(FOLLOWER), endpoint, str(received), "--final", str(JOB_STEPS)],
+                                stdout=subprocess.PIPE, text=True)
+    assert follower.stdout.readline() == "following\n"  # before the job starts (which may take less time)
     try:
         job, codes = run(run_dir / "job", nproc=nproc, spares=spares, faults=faults,
                          train_args=("--max-steps", str(JOB_STEPS), "--publish-weights", endpoint, *train_args))

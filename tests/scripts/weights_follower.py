@@ -34,6 +34,7 @@ def main() -> None:
     subscriber = WeightSubscriber(args.endpoint, retry_s=0.05, events=EventLog(args.events, source="follower"),
                                   shared_memory=not args.tcp)
     version = -1
+    print("following", flush=True)  # (a job started after this line is followed from its first version)
     with open(args.out, "a", buffering=1) as out:
         while version < args.final:
             try:

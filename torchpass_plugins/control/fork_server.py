@@ -26,9 +26,11 @@ from torchpass_plugins.control import zygote
 VARIABLE = "TORCHPASS_FORK_SERVER"
 _NAMESPACES = ("mnt", "net", "pid", "user", "uts", "ipc")
 _STREAMS = 3  # stdin, stdout, stderr
-# Prefixes of the variables that shape a process as torch is imported.
+# Prefixes of the variables that shape a process as torch is imported (NCCL's are read as communicators are
+# made, in the workers, whose environment the agent sets).
 READ_AT_IMPORT = ("OMP_", "KMP_", "GOMP_", "MKL_", "OPENBLAS_", "MALLOC_", "LD_", "PYTHON", "TORCH_", "PYTORCH_",
-                  "TORCHINDUCTOR_", "TORCHDYNAMO_", "CUDA_", "NVIDIA_", "NCCL_")
+                  "TORCHINDUCTOR_", "TORCHDYNAMO_", "CUDA_", "NVIDIA_")
+_READ_LATER = ("TORCH_NCCL_",)
 
 
 def namespaces() -> list[int | str]:
@@ -39,7 +41,8 @@ def namespaces() -> list[int | str]:
 
 
 def read_at_import() -> dict[str, str]:
-    return {name: value for name, value in os.environ.items() if name.startswith(READ_AT_IMPORT)}
+    return {name: value for name, value in os.environ.items()
+            if name.startswith(READ_AT_IMPORT) and not name.startswith(_READ_LATER)}
 
 
 def ask(path: str, preload: list[str], zygote_end: socket.socket) -> int | None:

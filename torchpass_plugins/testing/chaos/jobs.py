@@ -22,12 +22,11 @@ from torchpass_plugins.control.worker_env import VARIABLE as WORKER_VARIABLE
 PACKAGE = Path(__file__).resolve().parents[2]
 TRAIN = PACKAGE / "demo" / "train.py"
 JOB_TIMEOUT = 240.0
-# CPU kernels round differently with another thread count, and the launcher gives one thread to each of
-# several workers on a node but all threads to a single one: jobs whose ranks are spread over nodes in
-# other ways are comparable bit for bit only with the same count everywhere.
-SAME_ROUNDING = {"OMP_NUM_THREADS": "1"}
-# What every job's agents run with: a hung job's workers print every thread's stack on SIGABRT.
-JOB_ENVIRONMENT = {**SAME_ROUNDING, "PYTHONFAULTHANDLER": "1"}
+# What every job's launcher runs with. OMP_NUM_THREADS: CPU kernels round differently with another thread
+# count, and the launcher gives one thread to each of several workers on a node but all threads to a single
+# one: jobs whose ranks are spread over nodes in other ways are comparable bit for bit only with the same
+# count everywhere. PYTHONFAULTHANDLER: a hung job's workers print every thread's stack on SIGABRT.
+JOB_ENVIRONMENT = {"OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1"}
 
 
 def free_port() -> int:
@@ -241,7 +240,7 @@ def start(
 
 def run_command(run_dir: Path, cmd: list[str], faults: str = "") -> tuple[Job, list[int]]:
     """Run another launcher's command line (torchrun, ``accelerate launch``) as one job, bounded."""
-    env = {**os.environ, **SAME_ROUNDING, "TORCHPASS_FAULTS": faults}
+    env = {**os.environ, **JOB_ENVIRONMENT, "TORCHPASS_FAULTS": faults}
     env.pop(WORKER_VARIABLE, None)
     run_dir.mkdir(parents=True, exist_ok=True)
     log = run_dir / "launch.log"
