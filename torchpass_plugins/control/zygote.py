@@ -60,9 +60,11 @@ def _run_worker(argv: list[str], env: dict[str, str]) -> None:
     os._exit(code)
 
 
-def serve(fd: int, preload: list[str]) -> None:
-    """The zygote's loop (its own process): fork on request, report exits; ends when the agent goes."""
-    _die_with_parent()
+def serve(fd: int, preload: list[str], with_parent: bool = True) -> None:
+    """The zygote's loop (its own process): fork on request, report exits; ends when the agent goes (and,
+    ``with_parent``, when its parent does: the agent that started it, not a ``torchpass fork-server``)."""
+    if with_parent:
+        _die_with_parent()
     conn = socket.socket(fileno=fd)
     for module in preload:
         try:
@@ -156,22 +158,44 @@ class _Forked:
             signal.pidfd_send_signal(self._fd, signal.SIGKILL)
 
 
+def _forked(server: str, preload: list[str]) -> tuple[_Forked, socket.socket] | None:
+    """A zygote that the ``torchpass fork-server`` at ``server`` forked, and the connection to it; None where
+    it did not. (A fresh connection for each try: one whose end the server received, but answered too late,
+    may be served by a zygote that then ends with it.)"""
+    ours, theirs = socket.socketpair()
+    with theirs:
+        pid = fork_server.ask(server, preload, theirs)
+    try:
+        if pid:
+            return _Forked(pid), ours
+    except OSError:  # gone already, or no pidfds (Linux before 5.3)
+        pass
+    ours.close()
+    return None
+
+
+def _started(preload: list[str]) -> tuple[subprocess.Popen, socket.socket]:
+    """A zygote started here, and the connection to it."""
+    ours, theirs = socket.socketpair()
+    with theirs:
+        proc = subprocess.Popen(
+            [sys.executable, "-u", "-c", "import sys; from torchpass_plugins.control.zygote import serve; "
+             f"serve({theirs.fileno()}, sys.argv[1:])", *preload],
+            pass_fds=[theirs.fileno()],
+        )
+    return proc, ours
+
+
 class Zygote:
     """The agent's side: starts the fork server (or has a ``torchpass fork-server`` fork it), asks it for
     workers, learns of their exits."""
 
     def __init__(self, preload: list[str]) -> None:
-        ours, theirs = socket.socketpair()
         server = os.environ.get(fork_server.VARIABLE)
-        forked = fork_server.ask(server, preload, theirs) if server else None
+        forked = _forked(server, preload) if server else None
         self.shared = forked is not None  # forked from a torchpass fork-server
-        self.proc: subprocess.Popen | _Forked = _Forked(forked) if forked else subprocess.Popen(
-            [sys.executable, "-u", "-c", "import sys; from torchpass_plugins.control.zygote import serve; "
-             f"serve({theirs.fileno()}, sys.argv[1:])", *preload],
-            pass_fds=[theirs.fileno()],
-        )
-        theirs.close()
-        self._conn = ours
+        self.proc: subprocess.Popen | _Forked
+        self.proc, self._conn = forked or _started(preload)
         self._lock = threading.Lock()
         self._pids: list[int] = []
         self._exits: dict[int, int] = {}

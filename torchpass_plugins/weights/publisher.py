@@ -303,7 +303,12 @@ class WeightPublisher:
         leaves."""
         lines.send(wire.header(copy.version, copy.entries, copy.buffer.numel(), copy.segment.id.to_list()))
         faults.point("publish")  # (a test's fault: the publisher dies in the middle of a version)
-        if not lines.receive().get("mapped"):
+        lines.sock.settimeout(None)  # held until the subscriber answers or leaves, however slow its copy: a
+        try:  # copy released earlier could be rewritten under it, and nothing on this path would tell
+            mapped = lines.receive().get("mapped")
+        finally:
+            lines.sock.settimeout(_SEND_TIMEOUT_S)
+        if not mapped:
             return False
         peer.sent = self._sent_to[peer.name] = copy.version  # (release, in _answer, notifies deliver_newest)
         return True

@@ -151,16 +151,15 @@ class WeightSubscriber:
         return buffer
 
     def _copy_mapped(self, lines: wire.Lines, segment: list[int], nbytes: int) -> torch.Tensor | None:
-        """The version copied out of the publisher's copy, which it holds until told so; None where the copy
-        cannot be mapped (another user namespace, say): this subscriber asks for bytes from then on."""
+        """The version copied out of the publisher's copy, which it holds until told so; None where this
+        process may not map it (another user namespace, say): it asks for bytes from then on. Any other
+        failure to map (the publisher gone) is a lost connection."""
         key = (*segment, nbytes)
         mapped = self._mapped.pop(key, None)
         if mapped is None:
             try:
                 mapped = map_peer(SegmentId(*segment), nbytes)
-            except FileNotFoundError as exc:  # the publisher's process, or its copy, is gone
-                raise ConnectionError(f"the publisher's copy is gone: {exc}") from None
-            except (OSError, TypeError) as exc:
+            except PermissionError as exc:  # (another user namespace, say: for good)
                 lines.send({"mapped": False, "error": str(exc)})
                 self._maps = self._shared_memory = False
                 self.events.emit("weights_unmapped", error=str(exc))
