@@ -135,6 +135,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--strategy", choices=("torchpass_ddp", "torchpass_fsdp", "ddp", "fsdp2"), required=True)
     p.add_argument("--replicate-every", type=int, default=1, help="torchpass_fsdp: ring replica interval (0: off)")
     p.add_argument("--devices", type=int, default=3)
+    p.add_argument("--num-nodes", type=int, default=1)
     p.add_argument("--accelerator", choices=("cpu", "gpu"), default="cpu", help="gpu: one GPU per rank, NCCL")
     add_run_args(p)
     p.add_argument("--ckpt-every", type=int, default=0, help="ModelCheckpoint every N steps + last.ckpt (0: off)")
@@ -188,6 +189,7 @@ def main(argv: list[str] | None = None) -> None:
         accelerator=args.accelerator,
         strategy=strategy,
         devices=args.devices,
+        num_nodes=args.num_nodes,
         max_steps=args.max_steps,
         max_epochs=-1,
         accumulate_grad_batches=args.accumulate,

@@ -13,7 +13,7 @@ from jobs import run
 
 from torchpass_plugins.testing import faults
 from torchpass_plugins.testing.chaos import matrix
-from torchpass_plugins.testing.chaos.scenario import STEPS, draw
+from torchpass_plugins.testing.chaos.scenario import STEPS, draw, draw_link
 from torchpass_plugins.testing.faults import ACTIONS, PHASES, Fault
 
 pytestmark = pytest.mark.xdist_group("chaos")  # one worker: the module's failure-free references are made once
@@ -57,10 +57,19 @@ def test_scenarios_replay_from_their_seed_and_the_matrix_covers_every_phase_and_
     # ``collective`` strikes in the user's own collectives, ``publish`` while weights are sent to a subscriber:
     # the tests that know where a script makes them, or that publish, use them
     assert {s.target.phase for s in scenarios} == set(PHASES) - set(faults.USER_PHASES) - {"publish"}
-    assert {s.target.action for s in scenarios} == set(ACTIONS)
+    assert {s.target.action for s in scenarios} == set(ACTIONS) - set(faults.LINK_ACTIONS)  # (their own family)
     assert {s.strategy for s in scenarios} == {"torchpass_ddp", "torchpass_fsdp"}
     for s in scenarios:
         assert [faults.Fault.parse(item) for item in s.spec.split(";")] == list(s.faults)
+
+
+def test_any_21_link_scenarios_cover_every_link_fault_in_every_phase_of_a_step():
+    scenarios = [draw_link(3, i) for i in range(5, 26)]
+    assert scenarios == [draw_link(3, i) for i in range(5, 26)]
+    assert {(s.target.action, s.target.phase) for s in scenarios} == {
+        (action, phase) for action in faults.LINK_ACTIONS for phase in faults.STEP_PHASES}
+    assert all(s.on_hosts and s.reference.endswith("-hosts") and s.name.endswith("-link") for s in scenarios)
+    assert {s.strategy for s in scenarios} == {"torchpass_ddp", "torchpass_fsdp"}
 
 
 @pytest.fixture(scope="module")

@@ -52,9 +52,9 @@ class _Recording(GlooBackend):
         self.prefixes: list[str] = []
         self._hang = threading.Event() if hang else None
 
-    def build(self, store, rank, world_size, timeout):
+    def build(self, store, rank, world_size, timeout, path=0):
         self.prefixes.append(store)
-        self.built.append(super().build(store, rank, world_size, timeout))
+        self.built.append(super().build(store, rank, world_size, timeout, path))
         return self.built[-1]
 
     def abort(self, group) -> None:
@@ -116,9 +116,9 @@ class _PeerDies(GlooBackend):
 
     built = False
 
-    def build(self, store, rank, world_size, timeout):
+    def build(self, store, rank, world_size, timeout, path=0):
         first, self.built = not self.built, True
-        return _DeadPeerGroup() if first else super().build(store, rank, world_size, timeout)
+        return _DeadPeerGroup() if first else super().build(store, rank, world_size, timeout, path)
 
 
 def test_a_failed_operation_poisons_its_generation_until_the_next():

@@ -7,8 +7,10 @@ link is back. Every version it takes is whole, and the publisher goes on meanwhi
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import subprocess
 import sys
 import textwrap
 import time
@@ -41,6 +43,29 @@ def _events(path: Path, name: str) -> list[dict]:
     return [e for e in map(json.loads, lines) if e["event"] == name]
 
 
+@contextlib.contextmanager
+def _killed_at_exit():
+    """A list for the test's processes, each killed (and reaped) when the block ends, however it ends."""
+    processes: list[subprocess.Popen] = []
+    try:
+        yield processes
+    finally:
+        for proc in processes:
+            proc.kill()
+            proc.wait()
+
+
+def _whole_versions(received: Path) -> list[int]:
+    """The versions the follower received, in order, up to the last; each whole: every byte of the version it
+    claims to be."""
+    lines = [line.split() for line in received.read_text().splitlines()]
+    versions = [int(version) for version, _ in lines]
+    assert versions == sorted(set(versions)) and versions[-1] == VERSIONS - 1
+    for version, got in lines:
+        assert got == digest({"w": torch.full((ELEMENTS,), float(version))}), f"version {version} is torn"
+    return versions
+
+
 @pytest.mark.timeout(180)
 def test_a_subscriber_rides_out_a_flap_and_reconnects_after_a_cut_and_every_version_is_whole(tmp_path):
     env = {**os.environ, "TORCHPASS_WEIGHTS_TOKEN": "a-token"}
@@ -48,8 +73,7 @@ def test_a_subscriber_rides_out_a_flap_and_reconnects_after_a_cut_and_every_vers
     with Hosts(2) as hosts:
         endpoint = f"tcp://{hosts.address(0)}:29600"
         hosts.qdisc(1, "tbf", "rate", "300mbit", "burst", "64kb", "latency", "400ms")  # about 0.5 s a version
-        processes = []
-        try:
+        with _killed_at_exit() as processes:
             publisher = hosts.popen(0, [sys.executable, "-c", PUBLISHER, endpoint, str(events), str(VERSIONS),
                                         str(ELEMENTS)], env=env)
             processes.append(publisher)
@@ -78,15 +102,8 @@ def test_a_subscriber_rides_out_a_flap_and_reconnects_after_a_cut_and_every_vers
             hosts.link(1, up=True)
             restored = time.time()
             assert follower.wait(timeout=120) == 0
-        finally:
-            for proc in processes:
-                proc.kill()
-                proc.wait()
-    lines = [line.split() for line in received.read_text().splitlines()]
-    versions = [int(version) for version, _ in lines]
-    assert versions == sorted(set(versions)) and versions[0] <= first and versions[-1] == VERSIONS - 1
-    for version, got in lines:  # whole: every byte of the version it claims to be
-        assert got == digest({"w": torch.full((ELEMENTS,), float(version))}), f"version {version} is torn"
+    versions = _whole_versions(received)
+    assert versions[0] <= first
     received_at = {e["version"]: e["time"] for e in _events(events, "weights_received")}
     assert {e["path"] for e in _events(events, "weights_received")} == {"tcp"}
     assert any(t > restored for t in received_at.values())  # it went on after the cut
@@ -97,3 +114,31 @@ def test_a_subscriber_rides_out_a_flap_and_reconnects_after_a_cut_and_every_vers
     skipped = _events(events, "weights_skipped")
     assert len(_events(events, "weights_published")) + len(skipped) == VERSIONS
     assert all(e["time"] > flapped for e in skipped) and len(skipped) <= VERSIONS // 10
+
+
+@pytest.mark.timeout(180)
+def test_a_subscriber_given_the_publishers_address_on_two_paths_takes_the_other_when_one_is_cut(tmp_path):
+    env = {**os.environ, "TORCHPASS_WEIGHTS_TOKEN": "a-token"}
+    received, events = tmp_path / "received.txt", tmp_path / "events.jsonl"
+    with Hosts(2, paths=2) as hosts:
+        endpoints = f"tcp://{hosts.address(0, path=1)}:29600,tcp://{hosts.address(0, path=0)}:29600"
+        hosts.qdisc(1, "tbf", "rate", "300mbit", "burst", "64kb", "latency", "400ms", path=1)  # a version in flight
+        with _killed_at_exit() as processes:
+            processes.append(hosts.popen(0, [sys.executable, "-c", PUBLISHER, "tcp://0.0.0.0:29600", str(events),
+                                             str(VERSIONS), str(ELEMENTS)], env=env))
+            follower = hosts.popen(1, [sys.executable, str(FOLLOWER), endpoints, str(received), "--final",
+                                       str(VERSIONS - 1), "--patience", "60", "--events", str(events), "--tcp"],
+                                   env=env)
+            processes.append(follower)
+            deadline = time.monotonic() + 60
+            while not (received.exists() and received.read_text().strip()):
+                assert time.monotonic() < deadline, "the subscriber received nothing"
+                time.sleep(0.1)
+            hosts.link(1, up=False, path=1)  # for good
+            cut = time.time()
+            assert follower.wait(timeout=120) == 0
+    _whole_versions(received)
+    rerouted = _events(events, "weights_rerouted")
+    assert [(e["from"], e["to"]) for e in rerouted] == [(f"{hosts.address(0, path=1)}:29600",
+                                                          f"{hosts.address(0, path=0)}:29600")], rerouted
+    assert sum(e["time"] > cut for e in _events(events, "weights_received")) > 1  # it went on over the other path

@@ -70,6 +70,8 @@ def main(argv: list[str] | None = None) -> int:
     chaos.add_argument("--only", type=int, nargs="+", default=None, help="replay these scenario indices")
     chaos.add_argument("--work-dir", default="torchpass_runs/chaos", help="run directories (failures are kept)")
     chaos.add_argument("--doc", default=None, help="write the result table into this Markdown file")
+    chaos.add_argument("--links", action="store_true", help="the link scenarios: link faults on test hosts "
+                       "(network namespaces; needs root)")
     rep = sub.add_parser("report", help="summary table and timeline PNG of a run, from RUN_DIR/events.jsonl")
     rep.add_argument("run_dir")
     forks = sub.add_parser("fork-server", help="import torch and Lightning once for successive jobs on this machine "
@@ -94,7 +96,8 @@ def main(argv: list[str] | None = None) -> int:
     if ns.cmd == "chaos":
         from torchpass_plugins.testing.chaos.cli import run_chaos
 
-        return run_chaos(ns.seed, ns.only if ns.only is not None else range(ns.scenarios), ns.work_dir, ns.doc)
+        return run_chaos(ns.seed, ns.only if ns.only is not None else range(ns.scenarios), ns.work_dir, ns.doc,
+                         ns.links)
     if ns.cmd == "demo":
         from torchpass_plugins.demo.runner import run_demo
 

@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torchpass_plugins.control.coordinator import Coordinator
 from torchpass_plugins.control.launch_config import LaunchConfig
 from torchpass_plugins.control.leadership import JournaledInbox, QueueInbox, candidacy
+from torchpass_plugins.control.links import LinkWatch
 from torchpass_plugins.control.membership import (
     StoreUnusable,
     current_attempt,
@@ -31,6 +32,7 @@ from torchpass_plugins.control.membership import (
     open_job_store,
     prefixed,
     serve_node,
+    under,
     wait_for_agents,
 )
 from torchpass_plugins.control.policy import Action, Policy
@@ -38,6 +40,7 @@ from torchpass_plugins.control.protocol import (
     ABORT_KEY,
     DONE_KEY,
     LEAVING,
+    PREFIX,
     RESTART_KEY,
     Exit,
     Migrate,
@@ -110,6 +113,10 @@ class Agent:
             self._spawn(slot)
         threading.Thread(target=HealthWatch(cfg.health).run, args=(self._watched_devices, self._on_device, self._done),
                          name="torchpass-health", daemon=True).start()
+        if len(cfg.interfaces) > 1 and cfg.nnodes > 1:
+            client = self._client.clone()  # the probes' own connection
+            LinkWatch(cfg.node_rank, cfg.nnodes, list(cfg.interfaces), cfg.link_grace, under(client, PREFIX),
+                      lambda: prefixed(client, self.attempt), self.events).start(self._done)
         metrics = serve(cfg.metrics_addr, cfg.run_dir) if cfg.metrics_addr and cfg.node_rank == 0 else None
         try:
             code = self._supervise()
@@ -136,7 +143,7 @@ class Agent:
             self.events.emit("node_rejoined", node=cfg.node_rank)
         self.policy = Policy(restarts_left=cfg.max_restarts - self.attempt, spare_wait_s=cfg.spare_wait,
                              refill=cfg.refill, straggler_migrate=cfg.straggler_migrate,
-                             heartbeat_timeout=cfg.heartbeat_timeout)
+                             heartbeat_timeout=cfg.heartbeat_timeout, paths=max(1, len(cfg.interfaces)))
         attempt = self.attempt
         self._candidacy = candidacy(lambda: prefixed(self._client.clone(), attempt), cfg.store_address is not None,
                                     cfg.node_rank, cfg.heartbeat_timeout)
@@ -197,7 +204,7 @@ class Agent:
             node_rank=cfg.node_rank, local_slot=slot.index, run_dir=str(Path(cfg.run_dir).resolve()),
             seed=self.seed, heartbeat_interval=cfg.heartbeat_interval, attempt=self.attempt,
             straggler_window=cfg.straggler_window, straggler_factor=cfg.straggler_factor,
-            agent_pid=self._zygote.proc.pid if self._zygote is not None else os.getpid(),
+            agent_pid=self._zygote.proc.pid if self._zygote is not None else os.getpid(), interfaces=cfg.interfaces,
         )
         worker_env = {**os.environ, **env.to_env(), "PYTHONUNBUFFERED": "1"}
         if self._zygote is not None:

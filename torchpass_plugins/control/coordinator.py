@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import threading
 from collections import deque
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import torch.distributed as dist
 
@@ -31,6 +31,7 @@ from torchpass_plugins.control.protocol import (
     ExitCode,
     Join,
     LeftForMigration,
+    LinkDown,
     Message,
     Migrate,
     NodeLost,
@@ -48,6 +49,7 @@ from torchpass_plugins.control.protocol import (
     roster_change_key,
     roster_key,
     send,
+    slot_order,
     watch_key,
 )
 from torchpass_plugins.observe.events import EventLog, HeldEvents
@@ -56,13 +58,7 @@ from torchpass_plugins.observe.events import EventLog, HeldEvents
 # worker's ``LeftForMigration`` before its ``Exit``, which is then no failure; the ranks lost in one batch are
 # replaced by one roster.
 _PHASE = {Join: 0, Migrate: 1, Straggler: 1, LeftForMigration: 1, Stalled: 2, StallVerdict: 2, SpareDeadline: 2,
-          Exit: 2, NodeLost: 2, Stop: 3}
-
-
-def slot_order(worker_id: str) -> tuple[int, int, int]:
-    """Workers are named ``n{node}-s{slot}-i{incarnation}``; initial ranks follow (node, slot)."""
-    node, slot, inc = (int(part[1:]) for part in worker_id.split("-"))
-    return node, slot, inc
+          Exit: 2, NodeLost: 2, LinkDown: 2, Stop: 3}
 
 
 @dataclass(frozen=True)
@@ -97,6 +93,8 @@ class Coordinator:
     _stalled: dict[int, set[str]] = field(default_factory=dict)
     timer_store: dist.Store | None = None  # a connection of its own for delayed messages (default: ``store``)
     _short: list[int] = field(default_factory=list)  # lost ranks that wait for a spare
+    path: int = 0  # the network path every roster's groups are built on
+    failed_paths: set[int] = field(default_factory=set)
 
     def run(self, inbox: QueueInbox | JournaledInbox) -> None:
         """Handle messages as they arrive, until a ``Stop``; the inbox saves the state after each batch, and
@@ -119,7 +117,7 @@ class Coordinator:
                 "outcome": self.outcome, "ranks_before": self.ranks_before, "moves": self._moves,
                 "moving": None if self.moving is None else asdict(self.moving), "left": sorted(self._left),
                 "waiting": self._waiting, "stalled": {g: sorted(w) for g, w in self._stalled.items()},
-                "short": self._short}
+                "short": self._short, "path": self.path, "failed_paths": sorted(self.failed_paths)}
 
     def restore(self, state: dict) -> None:
         """Take over from a coordinator whose last state was ``state``; its pending timers are armed again."""
@@ -128,6 +126,7 @@ class Coordinator:
         self._moves, self.moving = state["moves"], None if state["moving"] is None else Move(**state["moving"])
         self._left, self._waiting, self._short = set(state["left"]), state["waiting"], state["short"]
         self._stalled = {int(g): set(w) for g, w in state["stalled"].items()}
+        self.path, self.failed_paths = state["path"], set(state["failed_paths"])
         if self._short:
             self._later(self.policy.spare_wait_s, SpareDeadline(self.gen))
         for gen in self._stalled:
@@ -162,6 +161,8 @@ class Coordinator:
                     on_node = [w for w in {*working, *self.spares} if slot_order(w)[0] == node]
                     for worker_id in sorted(on_node, key=slot_order):
                         self._on_exit(worker_id, ExitCode.KILLED, why, lost)
+                case LinkDown():
+                    self._on_link_down(m)
                 case Stop():
                     stop = True
         if (lost or self._short) and self.outcome is None:
@@ -275,6 +276,19 @@ class Coordinator:
             self.store.set(evict_key(worker_id), decision.why)
             self._on_exit(worker_id, ExitCode.KILLED, decision.why, lost)
 
+    def _on_link_down(self, report: LinkDown) -> None:
+        """Leave a failed path: the same members build their groups on another one (at once, unless lost ranks
+        wait for a spare: their roster will be the first on it)."""
+        decision = self.policy.link_down(report.path, self.path, self.failed_paths)
+        if decision.action is not Action.REROUTE or self.outcome is not None or self.gen < 0:
+            return
+        self.failed_paths.add(report.path)
+        self.path = decision.path
+        self.events.emit("rerouted", gen=self.gen + 1, node=report.node, peer=report.peer, seconds=report.seconds,
+                         **{"from": report.path, "to": self.path})
+        if not self._short:
+            self._publish(Roster(self.gen + 1, tuple(self.ranks), reason=f"reroute: {decision.why}"), {})
+
     def _replace(self, lost: list[int]) -> None:
         training_complete = bool(self.finished) or self.store.check([TRAINED_KEY])
         decision = self.policy.ranks_lost(lost, len(self.spares), training_complete=training_complete)
@@ -312,6 +326,7 @@ class Coordinator:
         """Write the roster and its change from the previous one (what workers read), then wake the roster
         watch of every worker of the previous and the new one (in one request to a TCPStore, one per 128
         workers to etcd)."""
+        roster = replace(roster, path=self.path)
         before = Roster(self.gen, tuple(self.ranks_before)) if self.ranks_before is not None else None
         self.store.multi_set([roster_key(roster.gen), roster_change_key(roster.gen)],
                              [roster.to_json(), roster.change_from(before).to_json()])

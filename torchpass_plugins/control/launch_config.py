@@ -10,6 +10,7 @@ from pathlib import Path
 
 from torchpass_plugins.config import AgentConfig, TorchPassConfig
 from torchpass_plugins.control.etcd_gateway import PASSWORD_VARIABLE, Credentials, address
+from torchpass_plugins.control.links import interface_address
 from torchpass_plugins.health.watch import HealthConfig, HealthThresholds
 
 
@@ -43,6 +44,8 @@ class LaunchConfig:
     preload: tuple[str, ...]  # imported once per node by a fork server, which forks every worker (empty: none)
     first_slot: int  # index of this agent's first slot (its workers' local rank / GPU)
     external_store: bool  # the store at rdzv_endpoint is someone else's (torchrun's): only connect
+    interfaces: tuple[str, ...]  # the node's network paths, in order (empty: one, gloo's choice)
+    link_grace: float  # seconds a path may be down before the job leaves it
 
     @classmethod
     def derive(cls, command: list[str], job: TorchPassConfig, agent: AgentConfig, *, token: str,
@@ -66,6 +69,8 @@ class LaunchConfig:
             straggler_migrate=job.stragglers.policy == "migrate", metrics_addr=job.telemetry.metrics_addr,
             preload=tuple(m for m in job.preload.split(",") if m.strip()), first_slot=first_slot,
             external_store=external_store,
+            interfaces=tuple(i.strip() for i in agent.interfaces.split(",") if i.strip()),
+            link_grace=agent.link_grace_s,
         )
 
     @property
@@ -121,6 +126,10 @@ class LaunchConfig:
             raise ValueError("multi-node jobs need a fixed --rdzv-endpoint HOST:PORT reachable from every node")
         if not self.command:
             raise ValueError("no training script given")
+        if len(set(self.interfaces)) < len(self.interfaces):
+            raise ValueError(f"--interfaces names an interface twice: {','.join(self.interfaces)}")
+        for name in self.interfaces:
+            interface_address(name)  # ValueError naming it, before any worker starts
         if self.metrics_addr is not None:
             if importlib.util.find_spec("prometheus_client") is None:
                 raise ValueError("--metrics-addr needs prometheus-client: pip install 'torchpass-plugins[metrics]'")

@@ -20,6 +20,8 @@ migration request (health)             job over / unknown worker: NOTHING; a spa
 straggler report                       MIGRATE if stragglers migrate, else WARN (already logged)
 stall verdict                          the silent ranks: EVICT; none silent: give up (restartable)
 heartbeat / node agent silent          longer than the heartbeat timeout: EVICT; else NOTHING
+link down past the grace               on the roster's path: REROUTE to the next path not failed yet;
+                                       no such path, or another path: NOTHING
 device findings (in order)             degraded: WARN; the first critical: MIGRATE, and stop there
 =====================================  =============================================================
 """
@@ -46,6 +48,7 @@ class Action(Enum):
     REPLACE = "replace"  # the rank is lost: a spare takes it (for a batch: the spares take them now)
     WAIT = "wait"  # more ranks lost than spares free: wait for refilled workers to join the pool
     REFILL = "refill"  # start a fresh worker in the freed slot; it joins the spare pool
+    REROUTE = "reroute"  # rebuild the same members' groups on another network path
     RESTART = "restart"  # restart every worker; the job resumes from its newest snapshot
     ABORT = "abort"  # stop the job with the message
 
@@ -54,6 +57,7 @@ class Action(Enum):
 class Decision:
     action: Action
     why: str = ""
+    path: int | None = None  # REROUTE: the path to take
 
 
 NOTHING = Decision(Action.NOTHING)
@@ -68,6 +72,7 @@ class Policy:
     refill: bool = True  # agents start a fresh worker in a failed worker's slot
     straggler_migrate: bool = False  # move a straggler to a spare (else only log it)
     heartbeat_timeout: float = TimeoutConfig.heartbeat_s  # silence after which a worker or node is written off
+    paths: int = 1  # network paths between the nodes (``--interfaces``)
 
     def give_up(self, message: str, restartable: bool) -> Decision:
         """A failure no spare can fix: restart while restarts are left, if a restart can get past it."""
@@ -146,6 +151,16 @@ class Policy:
                                 "a collective that not all ranks issue, or a network fault", restartable=True)
         return Decision(Action.EVICT, f"stalled the collectives of generation {gen}: alive, but not in them when "
                                       "the others timed out")
+
+    def link_down(self, path: int, current: int, failed: set[int]) -> Decision:
+        """An agent reached another node over ``path`` for longer than the grace, and over another path still;
+        ``current``: the roster's path, ``failed``: the paths left for good so far."""
+        if path != current:
+            return NOTHING  # a path the job no longer uses (another agent reported the same failure first)
+        left = [p for p in (*range(current + 1, self.paths), *range(current)) if p not in failed | {path}]
+        if not left:
+            return Decision(Action.NOTHING, f"path {path} failed and no other path is left")
+        return Decision(Action.REROUTE, f"path {path} failed", path=left[0])
 
     # -- detectors ------------------------------------------------------------------------------------
     def silence(self, silent_s: float) -> Decision:

@@ -46,6 +46,12 @@ LANDING_KEY = "landing"
 LEAVING = 1 << 40  # added to a heartbeat counter by a worker on its way out: no hang check from then on
 
 
+def slot_order(worker_id: str) -> tuple[int, int, int]:
+    """Workers are named ``n{node}-s{slot}-i{incarnation}``; initial ranks follow (node, slot)."""
+    node, slot, inc = (int(part[1:]) for part in worker_id.split("-"))
+    return node, slot, inc
+
+
 def join_key(worker_id: str) -> str:
     """The join token a worker presents, set before its ``Join``."""
     return f"join/{worker_id}"
@@ -113,6 +119,11 @@ def incarnations_key(node: int, slot: int) -> str:
     return f"incarnations/n{node}-s{slot}"
 
 
+def links_key(node: int) -> str:
+    """Where ``node``'s agent answers link probes: ``[[address, port], ...]``, one per path (``control/links.py``)."""
+    return f"links/{node}"
+
+
 def reached_key(rank: int) -> str:
     """Optimizer steps a logical rank had applied when its attempt was aborted."""
     return f"reached/{rank}"
@@ -125,30 +136,34 @@ def spare_error_key(rank: int) -> str:
 
 @dataclass(frozen=True)
 class Roster:
-    """Generation ``gen`` of the job: logical rank ``r`` is run by worker ``ranks[r]``."""
+    """Generation ``gen`` of the job: logical rank ``r`` is run by worker ``ranks[r]``, and its groups are built
+    on ``path`` (the index of the interface in every node's ``--interfaces``)."""
 
     gen: int
     ranks: tuple[str, ...]
     abort: str | None = None
     reason: str = ""
+    path: int = 0
 
     @property
     def world_size(self) -> int:
         return len(self.ranks)
 
     def to_json(self) -> str:
-        return json.dumps({"gen": self.gen, "ranks": list(self.ranks), "abort": self.abort, "reason": self.reason})
+        return json.dumps({"gen": self.gen, "ranks": list(self.ranks), "abort": self.abort, "reason": self.reason,
+                           "path": self.path})
 
     @classmethod
     def from_json(cls, text: str | bytes) -> Roster:
         d = json.loads(text)
-        return cls(gen=d["gen"], ranks=tuple(d["ranks"]), abort=d.get("abort"), reason=d.get("reason", ""))
+        return cls(gen=d["gen"], ranks=tuple(d["ranks"]), abort=d.get("abort"), reason=d.get("reason", ""),
+                   path=d.get("path", 0))
 
     def change_from(self, before: Roster | None) -> RosterChange:
         """This roster as a change of ``before``, the generation before it (None: every rank is new)."""
         was = before.ranks if before is not None else (None,) * self.world_size
         changed = {rank: w for rank, (w, old) in enumerate(zip(self.ranks, was, strict=True)) if w != old}
-        return RosterChange(self.gen, changed, self.abort, self.reason)
+        return RosterChange(self.gen, changed, self.abort, self.reason, self.path)
 
     def changed_by(self, change: RosterChange) -> Roster:
         """The next roster, from its ``change`` of this one."""
@@ -157,7 +172,7 @@ class Roster:
         ranks = list(self.ranks)
         for rank, worker in change.changed.items():
             ranks[rank] = worker
-        return Roster(change.gen, tuple(ranks), change.abort, change.reason)
+        return Roster(change.gen, tuple(ranks), change.abort, change.reason, change.path)
 
 
 @dataclass(frozen=True)
@@ -169,14 +184,17 @@ class RosterChange:
     changed: dict[int, str]
     abort: str | None = None
     reason: str = ""
+    path: int = 0
 
     def to_json(self) -> str:
-        return json.dumps({"gen": self.gen, "changed": self.changed, "abort": self.abort, "reason": self.reason})
+        return json.dumps({"gen": self.gen, "changed": self.changed, "abort": self.abort, "reason": self.reason,
+                           "path": self.path})
 
     @classmethod
     def from_json(cls, text: str | bytes) -> RosterChange:
         d = json.loads(text)
-        return cls(d["gen"], {int(rank): w for rank, w in d["changed"].items()}, d["abort"], d["reason"])
+        return cls(d["gen"], {int(rank): w for rank, w in d["changed"].items()}, d["abort"], d["reason"],
+                   d.get("path", 0))
 
 
 # -- inbox messages -----------------------------------------------------------------------------------
@@ -253,16 +271,27 @@ class NodeLost:
 
 
 @dataclass(frozen=True)
+class LinkDown:
+    """The agent of ``node`` has not reached ``peer``'s over ``path`` for ``seconds``, while another path to it
+    answers: a link failed, not a process."""
+
+    node: int
+    peer: int
+    path: int
+    seconds: float
+
+
+@dataclass(frozen=True)
 class Stop:
     """The hosting agent ends the coordinator's loop."""
 
 
 Message = (Join | Exit | Migrate | Straggler | LeftForMigration | Stalled | StallVerdict | SpareDeadline | NodeLost
-           | Stop)
+           | LinkDown | Stop)
 _KINDS: dict[str, type[Message]] = {
     "join": Join, "exit": Exit, "migrate": Migrate, "straggler": Straggler, "left_for_migration": LeftForMigration,
     "stalled": Stalled, "stall_verdict": StallVerdict, "spare_deadline": SpareDeadline, "node_lost": NodeLost,
-    "stop": Stop,
+    "stop": Stop, "link_down": LinkDown,
 }
 _KIND_OF = {cls: kind for kind, cls in _KINDS.items()}
 

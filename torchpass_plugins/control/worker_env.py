@@ -31,12 +31,16 @@ class WorkerEnv:
     straggler_window: int = StragglerConfig.window
     straggler_factor: float = StragglerConfig.factor
     agent_pid: int = 0  # the process that started this worker (the agent or its fork server); 0: none to follow
+    interfaces: tuple[str, ...] = ()  # the node's network paths, in order (``--interfaces``); empty: gloo's choice
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] = os.environ) -> WorkerEnv | None:
         """The settings of this worker, or None in a process no torchpass agent started."""
         text = environ.get(VARIABLE)
-        return cls(**json.loads(text)) if text else None
+        if not text:
+            return None
+        fields = json.loads(text)
+        return cls(**{**fields, "interfaces": tuple(fields.get("interfaces", ()))})
 
     @property
     def store_host_port(self) -> tuple[str, int]:

@@ -46,7 +46,9 @@ class Backend:
     device = "cpu"
     can_abort = False  # whether :meth:`abort` ends pending operations (else the group is abandoned)
 
-    def build(self, store: dist.Store, rank: int, world_size: int, timeout: timedelta) -> dist.ProcessGroup:
+    def build(self, store: dist.Store, rank: int, world_size: int, timeout: timedelta,
+              path: int = 0) -> dist.ProcessGroup:
+        """``path``: the roster's network path (see ``control/links.py``)."""
         raise NotImplementedError
 
     def abort(self, group: dist.ProcessGroup) -> None:
@@ -62,12 +64,23 @@ class Backend:
 
 class GlooBackend(Backend):
     """CPU tensors. A gloo operation cannot be interrupted from another thread; one stuck in a replaced
-    generation's group ends when its peer's process does, or at the group's timeout."""
+    generation's group ends when its peer's process does, or at the group's timeout. With ``interfaces``
+    (the node's ``--interfaces``), path ``p``'s group binds to the ``p``-th, so its traffic takes that link."""
 
     name = "gloo"
+    interfaces: tuple[str, ...] = ()
 
-    def build(self, store: dist.Store, rank: int, world_size: int, timeout: timedelta) -> dist.ProcessGroup:
-        return dist.ProcessGroupGloo(store, rank, world_size, timeout)
+    def __init__(self, interfaces: tuple[str, ...] = ()) -> None:
+        self.interfaces = interfaces
+
+    def build(self, store: dist.Store, rank: int, world_size: int, timeout: timedelta,
+              path: int = 0) -> dist.ProcessGroup:
+        if not self.interfaces:
+            return dist.ProcessGroupGloo(store, rank, world_size, timeout)
+        options = dist.ProcessGroupGloo._Options()
+        options._timeout = timeout
+        options._devices = [dist.ProcessGroupGloo.create_device(interface=self.interfaces[path])]
+        return dist.ProcessGroupGloo(store, rank, world_size, options)
 
     def retire(self, group: dist.ProcessGroup, pending: bool) -> None:
         """Always kept alive: gloo's teardown of a connection that a dead peer closed can abort the process
@@ -87,7 +100,9 @@ class NcclBackend(Backend):
     def __init__(self, device: torch.device) -> None:
         self.device_index = device.index if device.index is not None else torch.cuda.current_device()
 
-    def build(self, store: dist.Store, rank: int, world_size: int, timeout: timedelta) -> dist.ProcessGroup:
+    def build(self, store: dist.Store, rank: int, world_size: int, timeout: timedelta,
+              path: int = 0) -> dist.ProcessGroup:
+        # NCCL picks its interfaces once per process (NCCL_SOCKET_IFNAME, NCCL_IB_HCA): ``path`` cannot move it
         group = dist.ProcessGroupNCCL(store, rank, world_size, nccl_options(timeout))
         # The communicator now, while the build can still be abandoned for a newer roster (it is the
         # rendezvous of every rank), rather than lazily in the training thread's first collective.

@@ -62,10 +62,11 @@ class ReconfigurableGroup(dist.ProcessGroup):
         self.member = member
         self.name = name  # store prefix: groups of the same generation with other names are independent
         self.timeout = timeout
-        self.backends: dict[str, Backend] = {"cpu": GlooBackend()}
+        self.backends: dict[str, Backend] = {"cpu": GlooBackend(tuple(member.env.interfaces))}
         self._groups: dict[str, dist.ProcessGroup] = {}
         self._stores: dict[tuple[int, str], dist.Store] = {}  # each group's store, by generation and device
         self.gen = -1
+        self.path = 0  # the generation's network path (``control/links.py``)
         self.rank = -1  # an attribute here (over c10d's rank()): the wrappers answer c10d
         self.world_size = member.env.world_size
         self._failure: str | None = None  # what failed in this generation (it cannot be used again)
@@ -92,7 +93,7 @@ class ReconfigurableGroup(dist.ProcessGroup):
         store = under(client, f"{self.name}/{generation}/{backend.device}")
         kept = {k: v for k, v in self._stores.items() if k[0] >= generation - 1}  # the live generation's too
         self._stores = {**kept, (generation, backend.device): store}
-        return backend.build(store, rank, self.world_size, self.timeout)
+        return backend.build(store, rank, self.world_size, self.timeout, path=self.path)
 
     def built(self) -> bool:
         """Whether the current generation's groups exist (they may have failed since)."""
@@ -111,10 +112,10 @@ class ReconfigurableGroup(dist.ProcessGroup):
         if why is not None:
             raise PeerFailure(why)
 
-    def configure(self, generation: int, rank: int) -> None:
-        """Abort the current generation and join ``generation`` at ``rank``; ``PeerFailure`` if an even
-        newer one appears meanwhile. Where the old generation cannot be aborted in time, this process
-        leaves (exit status 1): a spare then takes its rank."""
+    def configure(self, generation: int, rank: int, path: int = 0) -> None:
+        """Abort the current generation and join ``generation`` at ``rank`` on network ``path`` (the roster's,
+        ``control/links.py``); ``PeerFailure`` if an even newer one appears meanwhile. Where the old generation
+        cannot be aborted in time, this process leaves (exit status 1): a spare then takes its rank."""
         try:
             self.abort()
         except AbortHung as exc:
@@ -132,7 +133,7 @@ class ReconfigurableGroup(dist.ProcessGroup):
             except Exception as exc:  # handed over to the waiting thread
                 result.set_exception(exc)
 
-        self.gen, self.rank, self._failure = generation, rank, None
+        self.gen, self.rank, self.path, self._failure = generation, rank, path, None
         threading.Thread(target=build, name=f"torchpass-connect-{self.name}-{generation}", daemon=True).start()
         self._groups = self._wait_future(result, f"connect generation {generation}")
 

@@ -124,7 +124,7 @@ class Runtime(SignalVerbs):
         self.phase = Phase.SPARE if gen > 0 else Phase.ACTIVE
         if not self.is_spare:
             try:
-                self.transport.configure(gen, rank)
+                self.transport.configure(gen, rank, self.member.change(gen).path)
             except PeerFailure:
                 pass  # a failure before the first step: the first collective recovers
 
@@ -267,8 +267,9 @@ class Runtime(SignalVerbs):
             plan.prepare()
             try:
                 t_connect = time.perf_counter()
+                path = self.member.change(gen).path
                 for group in (self.transport, *self.side_transports):
-                    group.configure(gen, self.rank)
+                    group.configure(gen, self.rank, path)
                 connect_s = time.perf_counter() - t_connect
                 if not self.is_spare:
                     faults.point("survivor")

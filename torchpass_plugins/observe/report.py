@@ -29,7 +29,7 @@ class Recovery:
 
     attempt: int
     gen: int
-    kind: str  # "failure" or "migration"
+    kind: str  # "failure", "migration" or "reroute" (a failed link left for another path)
     reason: str
     detected: float  # failure reported by the agent, or migration requested
     published: float  # the coordinator's new roster
@@ -98,6 +98,7 @@ class RunSummary:
     step_time: float | None = None  # median seconds per step
     downtime: float = 0.0
     weights: Weights | None = None
+    links: list[dict] = field(default_factory=list)  # link_failure, link_recovered, link_degraded, rerouted
 
     @property
     def wall(self) -> float:
@@ -140,16 +141,19 @@ def summarize(events: list[dict[str, Any]]) -> RunSummary:
             continue
         attempt = _attempt_of(events, roster["time"])
         same = [e for e in events if _attempt_of(events, e["time"]) == attempt]
-        migration = roster["reason"].startswith("migrate")
-        causes = [e for e in same if e["time"] <= roster["time"] and (
-            e["event"] == "migration_requested" if migration else
-            e["event"] == "failure_detected" and e["gen"] == roster["gen"] - 1)]
+        kind = {"migrate": "migration", "reroute": "reroute"}.get(roster["reason"].split(" ")[0].rstrip(":"),
+                                                                    "failure")
+        cause = {"migration": "migration_requested", "reroute": "rerouted", "failure": "failure_detected"}[kind]
+        causes = [e for e in same if e["time"] <= roster["time"] and e["event"] == cause
+                  and (kind == "migration" or e["gen"] == roster["gen"] - (kind == "failure"))]
         recovered = [e for e in same if e["event"] == "recovered" and e.get("gen") == roster["gen"]]
         done = max((e["time"] for e in recovered), default=roster["time"])
         sent = [e for e in same if e["event"] == "state_sent" and roster["time"] <= e["time"] <= done]
         summary.recoveries.append(Recovery(
-            attempt, roster["gen"], "migration" if migration else "failure", roster["reason"],
-            detected=max((e["time"] for e in causes), default=roster["time"]), published=roster["time"],
+            attempt, roster["gen"], kind, roster["reason"],
+            # a reroute's link failed when it last answered: its report came the grace later
+            detected=max((e["time"] - e.get("seconds", 0.0) * (kind == "reroute") for e in causes),
+                         default=roster["time"]), published=roster["time"],
             done=done, bytes=sum(e.get("bytes", 0) for e in sent),
             rolled_back=max((e.get("steps_rolled_back", 0) for e in recovered), default=0),
         ))
@@ -165,6 +169,7 @@ def summarize(events: list[dict[str, Any]]) -> RunSummary:
     summary.downtime = (sum(r.pause for r in summary.recoveries) + sum(restart_gaps)
                         + summary.steps_lost * (summary.step_time or 0.0))
     summary.weights = summarize_weights(events)
+    summary.links = [e for e in events if e["event"] in ("link_failure", "link_recovered", "link_degraded", "rerouted")]
     return summary
 
 
@@ -177,6 +182,7 @@ def render(summary: RunSummary, console: Console) -> None:
         ("Steps reached", str(summary.steps)), ("Failures", str(summary.failures)), ("Hangs", str(summary.hangs)),
         ("Recoveries", str(sum(r.kind == "failure" for r in summary.recoveries))),
         ("Migrations", str(sum(r.kind == "migration" for r in summary.recoveries))),
+        ("Reroutes", str(sum(r.kind == "reroute" for r in summary.recoveries))),
         ("Restarts", str(summary.restarts)), ("Snapshots committed", str(summary.snapshots)),
         ("Steps lost", str(summary.steps_lost)), ("Median step (s)", step_time), ("Goodput", goodput),
     ]:
@@ -184,6 +190,8 @@ def render(summary: RunSummary, console: Console) -> None:
     console.print(run)
     if summary.weights is not None:
         render_weights(summary.weights, console)
+    if summary.links:
+        render_links(summary.links, summary.start, console)
     if not summary.recoveries:
         return
     table = Table(title="Recoveries and migrations")
@@ -193,6 +201,27 @@ def render(summary: RunSummary, console: Console) -> None:
     for i, r in enumerate(summary.recoveries, 1):
         table.add_row(str(i), str(r.attempt), str(r.gen), r.kind, r.reason, f"{r.published - r.detected:.3f}",
                       f"{r.done - r.published:.3f}", f"{r.seconds:.3f}", f"{r.bytes:,}", str(r.rolled_back))
+    console.print(table)
+
+
+def _link_detail(e: dict) -> str:
+    if e["event"] == "link_degraded":
+        return f"round trip {e['round_trip_ms']} ms, other paths {e['other_paths_ms']} ms"
+    if e["event"] in ("link_recovered", "rerouted"):
+        return f"down {e['seconds']:.1f} s" + (" before" if e["event"] == "rerouted" else "")
+    return ""
+
+
+def render_links(links: list[dict], start: float, console: Console) -> None:
+    table = Table(title="Links between nodes")
+    for column in ("Time (s)", "What", "Node", "Peer", "Path", "Detail"):
+        table.add_column(column)
+    what = {"link_failure": "failed", "link_recovered": "back (flap)", "link_degraded": "degraded",
+            "rerouted": "job rerouted"}
+    for e in links:
+        path = f"{e['from']} -> {e['to']}" if e["event"] == "rerouted" else f"{e['path']} ({e['interface']})"
+        detail = _link_detail(e)
+        table.add_row(f"{e['time'] - start:.1f}", what[e["event"]], str(e["node"]), str(e["peer"]), path, detail)
     console.print(table)
 
 
@@ -229,7 +258,8 @@ def plot_timeline(events: list[dict[str, Any]], summary: RunSummary, path: Path)
         xs, ys = zip(*series[rank], strict=True)
         ax.plot(xs, ys, marker=".", linewidth=1, label=f"rank {rank}")
     marks = {"failure_detected": ("tab:red", "failure"), "hang_detected": ("tab:purple", "hang"),
-             "drained": ("tab:orange", "migration"), "job_restarting": ("black", "restart")}
+             "drained": ("tab:orange", "migration"), "job_restarting": ("black", "restart"),
+             "rerouted": ("tab:cyan", "reroute"), "link_degraded": ("tab:brown", "slow link")}
     labelled: set[str] = set()
     for e in events:
         if e["event"] in marks:

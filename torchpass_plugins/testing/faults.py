@@ -12,7 +12,10 @@ the process stops, heartbeats included), ``stall`` (the thread stops for good wh
 alive and keeps its heartbeat: the others wait in their next collective, which times out), ``slow`` (from
 then on, this process sleeps ``seconds`` at every step boundary: a straggler; the spare that replaces it is
 not slow), ``kill-agent`` (SIGKILL this worker's agent; on node 0 the agent hosts the store and the
-coordinator).
+coordinator). Link faults, for jobs on test hosts (``testing/netns.py``) that name this worker's switch
+port in ``TORCHPASS_FAULT_LINK`` (``NAMESPACE/PORT``, the port of the path the job prefers): ``link-down``
+(the cable pulled for good), ``link-flap`` (pulled for ``seconds``, 3 by default, then plugged back),
+``link-slow`` (the port shaped to 256 kbit/s: a degraded link); the worker goes on.
 
 Phases of a training step: ``boundary`` (start of the step), ``data`` (before a micro-batch is fetched),
 ``forward`` (before the training step's forward; Lightning strategies), ``backward`` (before a micro-batch's
@@ -34,6 +37,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,7 +46,10 @@ from pathlib import Path
 from torchpass_plugins.control.worker_env import WorkerEnv
 from torchpass_plugins.errors import ConfigError
 
-ACTIONS = ("kill", "exit", "raise", "stop", "spin", "stall", "slow", "kill-agent")
+LINK_ACTIONS = ("link-down", "link-flap", "link-slow")
+ACTIONS = ("kill", "exit", "raise", "stop", "spin", "stall", "slow", "kill-agent", *LINK_ACTIONS)
+LINK_VARIABLE = "TORCHPASS_FAULT_LINK"
+FLAP_S = 3.0
 STEP_PHASES = ("boundary", "data", "forward", "backward", "reduce", "commit", "optimizer")
 BACKGROUND_PHASES = ("replicate", "snapshot", "publish")
 RECOVERY_PHASES = ("survivor", "donor", "promoted")
@@ -149,6 +157,9 @@ def _fire(fault: Fault) -> None:
     if fault.action == "slow":
         _slow = fault.seconds
         return
+    if fault.action in LINK_ACTIONS:
+        _strike_link(fault)
+        return
     if fault.action == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
     elif fault.action == "stop":
@@ -164,3 +175,19 @@ def _fire(fault: Fault) -> None:
         while True:
             time.sleep(60)
     raise RuntimeError(f"torchpass fault injected: {fault}")
+
+
+def _strike_link(fault: Fault) -> None:
+    """Pull, flap or shape this worker's preferred link at its switch port (``LINK_VARIABLE``)."""
+    where = os.environ.get(LINK_VARIABLE)
+    if not where:
+        raise ConfigError(f"torchpass: fault {fault} needs {LINK_VARIABLE}=NAMESPACE/PORT (jobs on test hosts set it)")
+    switch, port = where.split("/")
+    if fault.action == "link-slow":
+        subprocess.run(["ip", "netns", "exec", switch, "tc", "qdisc", "replace", "dev", port, "root", "tbf", "rate",
+                        "256kbit", "burst", "2kb", "latency", "2s"], check=True)
+        return
+    subprocess.run(["ip", "-n", switch, "link", "set", port, "down"], check=True)
+    if fault.action == "link-flap":
+        plug = ["ip", "-n", switch, "link", "set", port, "up"]
+        threading.Timer(fault.seconds or FLAP_S, subprocess.run, (plug,)).start()  # (non-daemon: it always runs)

@@ -1,7 +1,8 @@
-"""Hosts for tests of real network faults: Linux network namespaces joined by veth links to one bridge.
+"""Hosts for tests of real network faults: Linux network namespaces joined by veth links to bridges.
 
-Host ``i`` is a namespace with one interface, ``eth0``, at ``10.201.0.(i + 1)/24``; its link's other end is
-port ``h{i}`` of a bridge in a namespace of its own (the switch). Taking that port down is a cable pulled;
+Host ``i`` is a namespace with one interface per path: ``eth{p}`` at ``10.(201 + p).0.(i + 1)/24``, whose link's
+other end is port ``h{i}`` (path 0) or ``h{i}p{p}`` of bridge ``br{p}`` in a namespace of its own (the switch;
+one bridge per path, as separate rails are). Taking a port down is a cable pulled;
 a ``tc`` qdisc on it is a slow or bad one. Processes run in a host with :meth:`Hosts.popen`. Every namespace (and
 with it every link) is deleted on exit, whatever happened. Needs root and ``ip``/``tc`` (iproute2).
 """
@@ -28,8 +29,8 @@ def _ip(*args: str) -> None:
 
 
 class Hosts:
-    def __init__(self, count: int) -> None:
-        self.count = count
+    def __init__(self, count: int, paths: int = 1) -> None:
+        self.count, self.paths = count, paths
         self.prefix = f"tp{os.getpid()}-{next(_serial)}-{secrets.token_hex(2)}"  # unique, across containers too
         self.switch = f"{self.prefix}-sw"
         self._made: list[str] = []
@@ -37,23 +38,40 @@ class Hosts:
     def name(self, i: int) -> str:
         return f"{self.prefix}-h{i}"
 
-    def address(self, i: int) -> str:
-        return f"10.201.0.{i + 1}"
+    def address(self, i: int, path: int = 0) -> str:
+        return f"10.{201 + path}.0.{i + 1}"
+
+    @staticmethod
+    def port(i: int, path: int = 0) -> str:
+        return f"h{i}" if path == 0 else f"h{i}p{path}"
+
+    def interfaces(self) -> str:
+        """A job's ``--interfaces`` on these hosts: the last path first, so that path 0, which carries the
+        store (node 0's path-0 address), is the one the job falls back to."""
+        return ",".join(f"eth{path}" for path in reversed(range(self.paths)))
+
+    def preferred_port(self, i: int) -> str:
+        """``NAMESPACE/PORT`` of host ``i``'s link of the path jobs prefer (the faults' ``TORCHPASS_FAULT_LINK``)."""
+        return f"{self.switch}/{self.port(i, self.paths - 1)}"
 
     def __enter__(self) -> Hosts:
         if os.geteuid() != 0:
             raise NamespacesUnavailable("network namespaces need root: run the tests as root (CI does)")
         try:
             self._add(self.switch)
-            _ip("-n", self.switch, "link", "add", "br0", "type", "bridge")
-            _ip("-n", self.switch, "link", "set", "br0", "up")
+            for path in range(self.paths):
+                _ip("-n", self.switch, "link", "add", f"br{path}", "type", "bridge")
+                _ip("-n", self.switch, "link", "set", f"br{path}", "up")
             for i in range(self.count):
                 host = self.name(i)
                 self._add(host)
-                _ip("-n", host, "link", "add", "eth0", "type", "veth", "peer", "name", f"h{i}", "netns", self.switch)
-                _ip("-n", self.switch, "link", "set", f"h{i}", "master", "br0", "up")
-                _ip("-n", host, "addr", "add", f"{self.address(i)}/24", "dev", "eth0")
-                _ip("-n", host, "link", "set", "eth0", "up")
+                for path in range(self.paths):
+                    port = self.port(i, path)
+                    _ip("-n", host, "link", "add", f"eth{path}", "type", "veth", "peer", "name", port, "netns",
+                        self.switch)
+                    _ip("-n", self.switch, "link", "set", port, "master", f"br{path}", "up")
+                    _ip("-n", host, "addr", "add", f"{self.address(i, path)}/24", "dev", f"eth{path}")
+                    _ip("-n", host, "link", "set", f"eth{path}", "up")
                 _ip("-n", host, "link", "set", "lo", "up")
         except FileNotFoundError:
             self.__exit__()
@@ -86,16 +104,16 @@ class Hosts:
         """Run ``argv`` in host ``i`` (same files, environment and working directory; its own network)."""
         return subprocess.Popen(["ip", "netns", "exec", self.name(i), *argv], **kwargs)
 
-    def link(self, i: int, up: bool) -> None:
-        """Pull (``up=False``) or plug back host ``i``'s cable, at the switch: host ``i`` still sees its own
-        interface up, as with a cable cut further along."""
-        _ip("-n", self.switch, "link", "set", f"h{i}", "up" if up else "down")
+    def link(self, i: int, up: bool, path: int = 0) -> None:
+        """Pull (``up=False``) or plug back host ``i``'s cable of ``path``, at the switch: host ``i`` still sees
+        its own interface up, as with a cable cut further along."""
+        _ip("-n", self.switch, "link", "set", self.port(i, path), "up" if up else "down")
 
-    def qdisc(self, i: int, *spec: str) -> None:
-        """Shape host ``i``'s switch port, towards the host: ``qdisc(1, "tbf", "rate", "300mbit", "burst",
+    def qdisc(self, i: int, *spec: str, path: int = 0) -> None:
+        """Shape host ``i``'s switch port of ``path``, towards the host: ``qdisc(1, "tbf", "rate", "300mbit", "burst",
         "64kb", "latency", "400ms")`` limits its rate. (Which qdiscs exist depends on the kernel: ``netem``,
         for loss and delay, is a module some kernels lack.)"""
-        result = subprocess.run(["ip", "netns", "exec", self.switch, "tc", "qdisc", "replace", "dev", f"h{i}", "root",
-                                 *spec], capture_output=True, text=True)
+        result = subprocess.run(["ip", "netns", "exec", self.switch, "tc", "qdisc", "replace", "dev",
+                                 self.port(i, path), "root", *spec], capture_output=True, text=True)
         if result.returncode:
-            raise RuntimeError(f"tc qdisc {' '.join(spec)} on h{i}: {result.stderr.strip()}")
+            raise RuntimeError(f"tc qdisc {' '.join(spec)} on {self.port(i, path)}: {result.stderr.strip()}")

@@ -2,7 +2,9 @@
 
 Every version arrives in a buffer of its own and is handed out only after its checksum matches, so a
 connection cut in the middle (the publisher's process lost, a link down) leaves nothing half-written: the
-subscriber reconnects, to the same endpoint, and asks again for a version newer than the one it has.
+subscriber reconnects and asks again for a version newer than the one it has. Given several addresses of the
+publisher (one per network path: ``tcp://10.1.0.5:29600,tcp://10.2.0.5:29600``), it reconnects over the next
+one, so a link that failed is routed around, and stays there while it works.
 
 On the publisher's host the bytes are not sent: the subscriber maps the publisher's copy of the version
 and copies it out while the publisher holds it for it. The publisher never writes into a copy that is
@@ -32,7 +34,8 @@ class TokenRefused(PermissionError):
 
 
 class WeightSubscriber:
-    """Receives versions from ``endpoint`` (``tcp://HOST:PORT``), proving ``token`` (or
+    """Receives versions from ``endpoint`` (``tcp://HOST:PORT``, or the publisher's addresses on several
+    paths, comma-separated, tried in turn after a lost connection), proving ``token`` (or
     ``TORCHPASS_WEIGHTS_TOKEN``). ``name`` tells the publisher who this is, in its events and gauges
     (default: host and process id). ``retry_s``: the pause between attempts to reach a publisher that is
     not there (yet, or any more: a trainer rank being replaced). ``stall_s``: a version of which no byte
@@ -44,7 +47,8 @@ class WeightSubscriber:
     def __init__(self, endpoint: str, token: str | None = None, name: str | None = None, retry_s: float = 0.2,
                  stall_s: float = 10.0, events: EventLog | None = None, storage: str | None = None,
                  storage_options: dict | None = None, fallback_s: float = 30.0, shared_memory: bool = True) -> None:
-        self._address = wire.address(endpoint)
+        self._addresses = [wire.address(e.strip()) for e in endpoint.split(",")]
+        self._address = self._addresses[0]
         self.name = name or f"{socket.gethostname()}:{os.getpid()}"
         self._token = wire.token_or_env(token)
         self._retry_s, self._stall_s = retry_s, stall_s
@@ -115,9 +119,11 @@ class WeightSubscriber:
             except TokenRefused:
                 raise
             except (OSError, ConnectionError, ValueError) as exc:
-                if self._lines is not None:  # a connection that was up: lost (a version cut off is dropped)
+                lost = self._lines is not None  # a connection that was up (a version cut off is dropped)
+                if lost:
                     self.events.emit("weights_connection_lost", error=str(exc) or type(exc).__name__)
                 self._disconnect()
+                self._next_address(announce=lost)
                 if (stored := self._from_storage(have)) is not None:
                     return stored
                 time.sleep(self._retry_s)
@@ -126,6 +132,16 @@ class WeightSubscriber:
             self.events.emit("weights_received", version=version, bytes=nbytes,
                              seconds=time.perf_counter() - started, path=path)
             return version, {e.name: wire.view(buffer, e) for e in entries}
+
+    def _next_address(self, announce: bool) -> None:
+        """After a lost connection (``announce``: in the event log) or none made: the publisher's next
+        address, if it has several."""
+        if len(self._addresses) > 1:
+            before = self._address
+            self._address = self._addresses[(self._addresses.index(before) + 1) % len(self._addresses)]
+            if announce:
+                self.events.emit("weights_rerouted", **{"from": f"{before[0]}:{before[1]}",
+                                                        "to": f"{self._address[0]}:{self._address[1]}"})
 
     def _prepare_buffer(self) -> None:
         """While the publisher is asked: the next version's buffer (the size of the last), its pages faulted

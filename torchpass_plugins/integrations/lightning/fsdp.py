@@ -141,7 +141,7 @@ class TorchPassFSDPStrategy(LoggedCommit, ShardedCheckpoints, PoisonedCollective
             rt.enter_as_spare(ShardedPlan(self))
             return
         try:
-            self.replicator.side.configure(rt.transport.gen, rt.rank)
+            self.replicator.side.configure(rt.transport.gen, rt.rank, rt.transport.path)
         except PeerFailure as exc:
             self.relay.poisoned = str(exc)
 

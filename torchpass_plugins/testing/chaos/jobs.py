@@ -18,6 +18,8 @@ from pathlib import Path
 import torch
 
 from torchpass_plugins.control.worker_env import VARIABLE as WORKER_VARIABLE
+from torchpass_plugins.testing.faults import LINK_VARIABLE
+from torchpass_plugins.testing.netns import Hosts
 
 PACKAGE = Path(__file__).resolve().parents[2]
 TRAIN = PACKAGE / "demo" / "train.py"
@@ -208,14 +210,16 @@ def start(
     nnodes: int = 1,
     script: Path = TRAIN,
     node_0_first: str | None = None,
+    hosts: Hosts | None = None,
 ) -> Job:
     """Start the agents of one job (``nnodes`` simulated nodes on this machine). ``node_0_first``: an event
     node 0 must have logged before the other nodes start (``coordinator_elected``: it coordinates; on a busy
-    machine a later node's agent may otherwise win the election)."""
+    machine a later node's agent may otherwise win the election). ``hosts``: node ``i`` runs in network
+    namespace ``i`` of these, node 0's store at its path-0 address."""
     env = {**os.environ, **JOB_ENVIRONMENT, "TORCHPASS_FAULTS": faults, "TORCHPASS_JOIN_TOKEN": "test-token"}
     env.pop(WORKER_VARIABLE, None)
     job = Job(run_dir)
-    endpoint = f"127.0.0.1:{free_port() if nnodes > 1 else 0}"
+    endpoint = f"{hosts.address(0) if hosts else '127.0.0.1'}:{free_port() if nnodes > 1 else 0}"
     for node in range(nnodes):
         log = run_dir / f"agent{node}.log"
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -225,10 +229,13 @@ def start(
             "--spares", str(spares), "--run-dir", str(run_dir), *launch_args,
             str(script), "--out", str(run_dir / "out"), *train_args,
         ]  # fmt: skip
+        if hosts is not None:
+            cmd = ["ip", "netns", "exec", hosts.name(node), *cmd]
+        node_env = {**env, LINK_VARIABLE: hosts.preferred_port(node)} if hosts is not None else env
         with open(log, "wb") as f:
-            job.agents.append(subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env,
+            job.agents.append(subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=node_env,
                                                start_new_session=True))
-        job.commands.append((cmd, env))
+        job.commands.append((cmd, node_env))
         job.logs.append(log)
         if node == 0 and nnodes > 1:
             time.sleep(0.5)  # node 0 hosts the store

@@ -5,7 +5,8 @@ schedulers, loop progress, metric states, logged values, RNG) equal to the failu
 and every optimizer step applied; the classes say what it cost:
 
 - ``zero-rollback``: a worker was lost and replaced live; no step was computed twice.
-- ``no-loss``: no worker was lost (a slowdown the job rode out); nothing to recover.
+- ``no-loss``: no worker was lost (a slowdown the job rode out, a link failure it rerouted around or rode
+  out); no state moved.
 - ``rolled-back``: an in-memory rollback of the steps logged as ``steps_rolled_back``, recomputed.
 - ``resumed``: the job restarted itself from its newest snapshot, recomputing the steps after it (a
   snapshot holds what a checkpoint holds, so the logged values and metric states of the epoch in progress
@@ -41,14 +42,24 @@ from pathlib import Path
 
 from torchpass_plugins.testing.chaos import jobs
 from torchpass_plugins.testing.chaos.oracle import differences
-from torchpass_plugins.testing.chaos.scenario import SINGLE_FAULT, SNAPSHOT_EVERY, STEPS, WORLD, Scenario, draw
+from torchpass_plugins.testing.chaos.scenario import (
+    SINGLE_FAULT,
+    SNAPSHOT_EVERY,
+    STEPS,
+    WORLD,
+    Scenario,
+    draw,
+    draw_link,
+)
 from torchpass_plugins.testing.faults import PHASES
+from torchpass_plugins.testing.netns import Hosts
 
 BOUND_S = 150.0  # per job: far above a scenario's worst legitimate time (a hang timeout plus a restart)
 HEARTBEAT_TIMEOUT_S = 4.0
 COLLECTIVE_TIMEOUT_S = 6.0
 SNAPSHOT_TIMEOUT_S = 10.0
 LAUNCH = ("--heartbeat-timeout", str(HEARTBEAT_TIMEOUT_S), "--max-restarts", "2", "--health-source", "off")
+ON_HOSTS = ("--devices", "1", "--num-nodes", str(WORLD))  # the Trainer's layout with a rank per host
 
 
 @dataclass
@@ -69,11 +80,12 @@ OUTCOMES = ("zero-rollback", "no-loss", "rolled-back", "resumed", "restarted", "
             "failure")
 
 
-def train_args(strategy: str, replicate_every: int, run_dir: Path) -> tuple[str, ...]:
+def train_args(strategy: str, replicate_every: int, run_dir: Path, on_hosts: bool = False) -> tuple[str, ...]:
     return (
         "--strategy", strategy, "--replicate-every", str(replicate_every), "--max-steps", str(STEPS),
         "--collective-timeout", str(COLLECTIVE_TIMEOUT_S), "--snapshot-dir", str(run_dir / "snapshots"),
         "--snapshot-every", str(SNAPSHOT_EVERY), "--snapshot-timeout", str(SNAPSHOT_TIMEOUT_S),
+        *(ON_HOSTS if on_hosts else ()),
     )  # fmt: skip
 
 
@@ -85,12 +97,21 @@ def run_job(
     snapshots: Path | None = None,
     nproc: int = WORLD + 1,
     spares: int = 1,
+    hosts: Hosts | None = None,
+    on_hosts: bool = False,
 ) -> tuple[jobs.Job, list[int] | None, list[int]]:
-    """One bounded job; returns it, its agents' exit codes (None: it hung) and what it left running."""
-    args = list(train_args(strategy, replicate_every, run_dir))
+    """One bounded job; returns it, its agents' exit codes (None: it hung) and what it left running. With
+    ``hosts``, a worker per host, preferring the path that faults strike; ``on_hosts``: the Trainer's layout of
+    such a job (for its failure-free reference on one machine)."""
+    args = list(train_args(strategy, replicate_every, run_dir, on_hosts or hosts is not None))
     if snapshots is not None:
         args[args.index("--snapshot-dir") + 1] = str(snapshots)
-    job = jobs.start(run_dir, nproc=nproc, spares=spares, train_args=tuple(args), launch_args=LAUNCH, faults=faults)
+    layout = {"nproc": nproc}
+    launch = LAUNCH
+    if hosts is not None:
+        layout = {"nproc": 1, "nnodes": nproc, "hosts": hosts}
+        launch = (*LAUNCH, "--interfaces", hosts.interfaces())  # the default grace: a flap is ridden out
+    job = jobs.start(run_dir, spares=spares, train_args=tuple(args), launch_args=launch, faults=faults, **layout)
     try:
         codes = [agent.wait(timeout=max(1.0, job.started + BOUND_S - time.monotonic())) for agent in job.agents]
     except subprocess.TimeoutExpired:
@@ -105,9 +126,10 @@ def reference(work: Path, name: str) -> list[dict]:
     replication interval)."""
     path = work / "reference" / name / "out" / "final.pt"
     if not path.exists():
-        strategy, _, every = name.rpartition("-r")
+        strategy, _, every = name.removesuffix("-hosts").rpartition("-r")
         shutil.rmtree(path.parents[1], ignore_errors=True)
-        job, codes, left = run_job(path.parents[1], strategy, int(every), "", nproc=WORLD, spares=0)
+        job, codes, left = run_job(path.parents[1], strategy, int(every), "", nproc=WORLD, spares=0,
+                                   on_hosts=name.endswith("-hosts"))
         if codes != [0] or left:
             raise RuntimeError(f"the failure-free run {name} failed ({codes}, left {left}):\n{job.output()[-3000:]}")
     done = jobs.Job(path.parents[1])
@@ -136,10 +158,14 @@ def _not_struck(run_dir: Path, count: int) -> list[int]:
 
 def classify(sc: Scenario, work: Path) -> tuple[str, str, int]:
     """Run the scenario; returns (outcome, detail, workers lost)."""
-    run_dir = work / f"s{sc.seed}-{sc.index:04d}"
+    run_dir = work / sc.name
     shutil.rmtree(run_dir, ignore_errors=True)
     expected = reference(work, sc.reference)
-    job, codes, left = run_job(run_dir, sc.strategy, sc.replicate_every, sc.spec)
+    if sc.on_hosts:
+        with Hosts(WORLD + 1, paths=2) as hosts:
+            job, codes, left = run_job(run_dir, sc.strategy, sc.replicate_every, sc.spec, hosts=hosts)
+    else:
+        job, codes, left = run_job(run_dir, sc.strategy, sc.replicate_every, sc.spec)
     workers_lost = len({e["worker"] for e in job.events("failure_detected")})
     return (*judge(sc, job, codes, left, expected), workers_lost)
 
@@ -157,7 +183,9 @@ def judge(
     if missing:
         return "failure", f"fault(s) {missing} never struck: the scenario tested nothing"
     events = job.events()
-    if codes != [0]:
+    if any(codes) and sc.on_hosts:
+        return "failure", f"a link fault stopped the job ({codes}):\n{job.output()[-1500:]}"
+    if any(codes):
         return _resubmitted(sc, job, events, codes, expected)
     restarts = sum(e["event"] == "job_restart" for e in events)
     diverged = divergence(job, expected, CHECKPOINTED if restarts else None)
@@ -175,9 +203,11 @@ def judge(
     recomputed = max(len(a) - STEPS for a in applied)
     rolled = max([e.get("steps_rolled_back") or 0 for e in events if e["event"] == "recovered"], default=0)
     lost = max([e.get("steps_lost") or 0 for e in events if e["event"] == "snapshot_resumed"], default=0)
-    recoveries = sum(e["event"] == "roster_published" and e["gen"] > 0 for e in events)
+    recoveries = sum(e["event"] == "roster_published" and e["gen"] > 0 and bool(e["promoted"]) for e in events)
+    reroutes = sum(e["event"] == "rerouted" for e in events)
     if not recomputed and not restarts:
-        return ("zero-rollback" if recoveries else "no-loss"), f"{recoveries} recovery(ies), 0 steps recomputed"
+        return ("zero-rollback" if recoveries else "no-loss"), (f"{recoveries} recovery(ies), {reroutes} reroute(s), "
+                                                                "0 steps recomputed")
     if restarts and any(e["event"] == "snapshot_resumed" for e in events):
         return "resumed", f"{restarts} restart(s), {lost} step(s) lost, rolled back {rolled}; recomputed {recomputed}"
     if restarts:
@@ -211,12 +241,13 @@ def _resubmitted(
     return "stopped", f"stopped ({why}); resubmitted, {start} (the stopped job had applied {reached} steps)"
 
 
-def run_matrix(seed: int, indices: Iterable[int], work: Path, log=print) -> list[Result]:
+def run_matrix(seed: int, indices: Iterable[int], work: Path, log=print, links: bool = False) -> list[Result]:
+    """Scenarios ``indices`` of ``seed``; ``links``: of the link family (``draw_link``)."""
     work.mkdir(parents=True, exist_ok=True)
     results = []
     with open(work / "results.jsonl", "a") as out:
         for index in indices:
-            sc = draw(seed, index)
+            sc = (draw_link if links else draw)(seed, index)
             t0 = time.monotonic()
             try:
                 outcome, detail, workers_lost = classify(sc, work)
@@ -230,7 +261,7 @@ def run_matrix(seed: int, indices: Iterable[int], work: Path, log=print) -> list
             results.append(result)
             log(f"{outcome:9s} {result.seconds:5.1f}s  {sc}  -- {detail.splitlines()[0]}")
             if outcome != "failure":
-                shutil.rmtree(work / f"s{seed}-{index:04d}", ignore_errors=True)  # keep failures for inspection
+                shutil.rmtree(work / sc.name, ignore_errors=True)  # keep failures for inspection
     return results
 
 

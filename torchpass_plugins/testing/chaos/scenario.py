@@ -3,6 +3,11 @@
 A scenario is the demo job (3 active ranks, 1 spare, snapshots every 3 steps) on one strategy with one
 or two faults from :mod:`torchpass_plugins.testing.faults`. Scenario ``i`` of seed ``s`` depends on nothing but
 ``(s, i)``: ``torchpass chaos --seed s --only i`` replays it alone.
+
+Link scenarios (``torchpass chaos --links``) are a family of their own, as they need root: the job runs on
+test hosts (network namespaces, ``testing/netns.py``), each rank on a host with two paths, and one link
+fault strikes the path the job uses, at the rank's host, in a phase of a step. Scenario ``i`` of that family
+is link fault ``i // 7 % 3`` in step phase ``i % 7``: any 21 consecutive ones cover every pair.
 """
 
 from __future__ import annotations
@@ -10,7 +15,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from torchpass_plugins.testing.faults import RECOVERY_PHASES, STEP_PHASES, Fault
+from torchpass_plugins.testing.faults import LINK_ACTIONS, RECOVERY_PHASES, STEP_PHASES, Fault
 
 STRATEGIES = ("torchpass_ddp", "torchpass_fsdp")
 WORLD = 3
@@ -46,9 +51,19 @@ class Scenario:
         return self.faults[-1]
 
     @property
+    def name(self) -> str:
+        """Its run directory's name."""
+        return f"s{self.seed}-{self.index:04d}" + ("-link" if self.on_hosts else "")
+
+    @property
+    def on_hosts(self) -> bool:
+        """Whether the job runs on test hosts, a rank per host (a link scenario)."""
+        return self.kind == "link"
+
+    @property
     def reference(self) -> str:
         """Which failure-free run the result must equal, bit for bit."""
-        return f"{self.strategy}-r{self.replicate_every}"
+        return f"{self.strategy}-r{self.replicate_every}" + ("-hosts" if self.on_hosts else "")
 
     def __str__(self) -> str:
         return f"#{self.index} {self.strategy} (replicate every {self.replicate_every}): {self.spec}"
@@ -83,3 +98,13 @@ def draw(seed: int, index: int) -> Scenario:
         phase = rng.choice(STEP_PHASES)
         faults = (_fault(rng, "kill", rank, step, phase), _fault(rng, "kill", other, step, phase))
     return Scenario(seed, index, kind, strategy, replicate_every, faults)
+
+
+def draw_link(seed: int, index: int) -> Scenario:
+    """Link scenario ``index`` of ``seed``: its fault and phase from the index, the rest drawn."""
+    rng = random.Random(f"torchpass-chaos-links:{seed}:{index}")
+    strategy = rng.choice(STRATEGIES)
+    replicate_every = rng.choice((1, 2)) if strategy == "torchpass_fsdp" else 1
+    action, phase = LINK_ACTIONS[index // len(STEP_PHASES) % len(LINK_ACTIONS)], STEP_PHASES[index % len(STEP_PHASES)]
+    fault = _fault(rng, action, rng.randrange(WORLD), rng.randint(1, STEPS - 2), phase)
+    return Scenario(seed, index, "link", strategy, replicate_every, (fault,))
