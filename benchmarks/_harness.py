@@ -396,6 +396,17 @@ def bench_args(
     return args
 
 
+def begin(description: str, argv: list[str] | None, name: str, full: T, smoke: T
+          ) -> tuple[argparse.Namespace, T, int, dict[str, str], Path]:
+    """What a benchmark's ``main`` starts with: its flags (:func:`bench_args`), the clean-up of whatever it
+    starts, its size (``full``, or ``smoke`` with ``--smoke``; each has ``reps``), the repetitions, the
+    machine's description and a fresh work directory ``out/NAME``."""
+    args = bench_args(description, argv)
+    install_cleanup()
+    size = smoke if args.smoke else full
+    return args, size, args.reps or size.reps, machine(), fresh_work_root(name, args.smoke)
+
+
 def fresh_work_root(name: str, smoke: bool) -> Path:
     root = BENCH_DIR / "out" / (f"{name}-smoke" if smoke else name)
     shutil.rmtree(root, ignore_errors=True)

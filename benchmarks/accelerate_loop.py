@@ -22,13 +22,10 @@ from _harness import (
     STEADY_NOTE,
     STEADY_RANKS,
     RunFailed,
-    bench_args,
+    begin,
     command_line,
     free_port,
-    fresh_work_root,
     in_turn,
-    install_cleanup,
-    machine,
     machine_lines,
     median_ci,
     publish,
@@ -161,12 +158,7 @@ def render(size: Size, times: dict[str, list[float]], regains: list[dict[str, fl
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = bench_args(__doc__, argv)
-    install_cleanup()
-    size = SMOKE if args.smoke else FULL
-    reps = args.reps or size.reps
-    info = machine()
-    work_root = fresh_work_root("accelerate", args.smoke)
+    args, size, reps, info, work_root = begin(__doc__, argv, "accelerate", FULL, SMOKE)
     times: dict[str, list[float]] = {PROTECTED: [], PLAIN: []}
     regains: list[dict[str, float]] = []
     try:

@@ -23,12 +23,9 @@ from _harness import (
     STEADY_RANKS,
     MLPSize,
     RunFailed,
-    bench_args,
+    begin,
     command_line,
-    fresh_work_root,
     in_turn,
-    install_cleanup,
-    machine,
     machine_lines,
     median_ci,
     publish,
@@ -192,12 +189,7 @@ def render(size: Size, times: dict[int, list[float]], within: list[float], recov
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = bench_args(__doc__, argv)
-    install_cleanup()
-    size = SMOKE if args.smoke else FULL
-    reps = args.reps or size.reps
-    info = machine()
-    work_root = fresh_work_root("fsdp", args.smoke)
+    args, size, reps, info, work_root = begin(__doc__, argv, "fsdp", FULL, SMOKE)
     settings = (ALTERNATE, 0) if args.smoke else (1, ALTERNATE, 4, 0)
     times: dict[int, list[float]] = {every: [] for every in settings}
     within: list[float] = []  # from the runs replicating every ALTERNATE steps

@@ -28,20 +28,7 @@ from dataclasses import asdict, dataclass
 from itertools import pairwise
 from pathlib import Path
 
-from _harness import (
-    REPO,
-    RunFailed,
-    bench_args,
-    command_line,
-    fresh_work_root,
-    in_turn,
-    install_cleanup,
-    machine,
-    machine_lines,
-    publish,
-    read_events,
-    read_steps,
-)
+from _harness import REPO, RunFailed, begin, command_line, in_turn, machine_lines, publish, read_events, read_steps
 
 from torchpass_plugins.testing.chaos import jobs
 from torchpass_plugins.testing.netns import Hosts
@@ -138,12 +125,7 @@ def _table(rows: list[Row]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = bench_args(__doc__, argv)
-    install_cleanup()
-    size = SMOKE if args.smoke else FULL
-    reps = args.reps or size.reps
-    work = fresh_work_root("link_reroute", args.smoke)
-    info = machine()
+    args, size, reps, info, work = begin(__doc__, argv, "link_reroute", FULL, SMOKE)
     rows = []
     for rep in range(reps):
         for fault in in_turn(FAULTS, rep):

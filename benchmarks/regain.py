@@ -21,11 +21,8 @@ from _harness import (
     MLPSize,
     RunFailed,
     attempt,
-    bench_args,
+    begin,
     command_line,
-    fresh_work_root,
-    install_cleanup,
-    machine,
     machine_lines,
     publish,
     read_events,
@@ -214,12 +211,7 @@ def render(size: Size, results: list[Result], failures: list[str], smoke: bool, 
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = bench_args(__doc__, argv)
-    install_cleanup()
-    size = SMOKE if args.smoke else FULL
-    reps = args.reps or size.reps
-    info = machine()
-    work_root = fresh_work_root("regain", args.smoke)
+    args, size, reps, info, work_root = begin(__doc__, argv, "regain", FULL, SMOKE)
     results: list[Result] = []
     failures: list[str] = []
     for rep in range(reps):

@@ -28,11 +28,8 @@ from pathlib import Path
 from _harness import (
     MLPSize,
     RunFailed,
-    bench_args,
+    begin,
     command_line,
-    fresh_work_root,
-    install_cleanup,
-    machine,
     machine_lines,
     publish,
     read_events,
@@ -154,12 +151,7 @@ def render(size: Size, results: list[Result], smoke: bool, info: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = bench_args(__doc__, argv)
-    install_cleanup()
-    size = SMOKE if args.smoke else FULL
-    reps = args.reps or size.reps
-    info = machine()
-    work_root = fresh_work_root("snapshot", args.smoke)
+    args, size, reps, info, work_root = begin(__doc__, argv, "snapshot", FULL, SMOKE)
     results: list[Result] = []
     for rep in range(reps):
         for mode in MODES:
