@@ -56,6 +56,20 @@ def test_a_path_back_within_the_grace_is_a_flap_and_never_reported():
     assert table.review(9.0) == [("failed", 1, 0, 0.0)]  # a new failure, judged afresh
 
 
+def test_a_path_that_keeps_flapping_is_reported_at_its_third_flap_once():
+    table = PathTable(paths=2, down_after_s=1.0, grace_s=5.0, flaps=3)
+    reports = []
+    for flap in range(4):  # silent for 3.5 s (within the grace), then back, four times; path 1 answers throughout
+        t0 = 4.0 * flap
+        table.answered(1, 0, t0)
+        for t in (t0, t0 + 1.5, t0 + 3.5):
+            table.answered(1, 1, t)
+            if t == t0 + 3.5:
+                table.answered(1, 0, t)
+            reports += [c for c in table.review(t) if c[0] == "report"]
+    assert reports == [("report", 1, 0, 3.5)]  # silent since its last answer, 3.5 s before
+
+
 def test_a_node_silent_on_every_path_is_no_link_failure():
     """Its agent (or the whole node) is gone, or all its links: the heartbeats find that, not the probes."""
     table = PathTable(paths=2, down_after_s=1.0, grace_s=1.0)

@@ -24,6 +24,7 @@ import select
 import socket
 import statistics
 import struct
+import sys
 import threading
 import time
 from collections import deque
@@ -39,6 +40,7 @@ _PEERS_REREAD_S = 2.0  # a node's agent started again answers on new ports
 _ROUND_TRIPS_KEPT = 25  # per (node, path): the last 5 s of probes
 SLOW_FACTOR, SLOW_FLOOR_S = 4.0, 0.02  # degraded: a round trip over 4x the other paths' to that node, plus 20 ms
 _SLOW_REVIEW_S = 5.0
+FLAPS = 3  # a path that failed and came back this often is left all the same
 _SIOCGIFADDR = 0x8915
 _PING, _PONG = 0, 1
 _DATAGRAM = struct.Struct("!BIq")  # kind, node, sequence
@@ -61,19 +63,23 @@ class PathTable:
 
     A path to a node is *failed* once it has not answered for ``down_after_s`` while another path to the same
     node answers (else the node itself is silent, which is not a link's matter). A failed path that answers
-    again has *recovered* (a flap); one failed for ``grace_s`` is to be *reported*, once per failure."""
+    again has *recovered* (a flap); one failed for ``grace_s`` is to be *reported*, once per failure, and so is
+    one that flapped ``flaps`` times (once: a path that keeps failing is left even if each flap is short)."""
 
     paths: int
     down_after_s: float
     grace_s: float
+    flaps: int = FLAPS
     last: dict[tuple[int, int], float] = field(default_factory=dict)  # (node, path) -> its last answer
     failed: dict[tuple[int, int], float] = field(default_factory=dict)  # (node, path) -> silent since
     reported: set[tuple[int, int]] = field(default_factory=set)
+    flapped: dict[tuple[int, int], int] = field(default_factory=dict)  # (node, path) -> flaps so far
 
     def answered(self, node: int, path: int, now: float) -> None:
         self.last[(node, path)] = now
 
-    def _up(self, node: int, path: int, now: float) -> bool:
+    def up(self, node: int, path: int, now: float) -> bool:
+        """Whether ``path`` to ``node`` answered within ``down_after_s``."""
         return now - self.last.get((node, path), float("-inf")) <= self.down_after_s
 
     def review(self, now: float) -> list[tuple[str, int, int, float]]:
@@ -82,12 +88,16 @@ class PathTable:
         changes = []
         for node, path in sorted(self.last):
             key = (node, path)
-            if self._up(node, path, now):
+            if self.up(node, path, now):
                 if key in self.failed:
-                    changes.append(("recovered", node, path, now - self.failed.pop(key)))
+                    seconds = now - self.failed.pop(key)
+                    changes.append(("recovered", node, path, seconds))
                     self.reported.discard(key)
+                    self.flapped[key] = self.flapped.get(key, 0) + 1
+                    if self.flapped[key] == self.flaps:
+                        changes.append(("report", node, path, seconds))
                 continue
-            others_up = any(self._up(node, q, now) for q in range(self.paths) if q != path)
+            others_up = any(self.up(node, q, now) for q in range(self.paths) if q != path)
             if key not in self.failed:
                 if others_up:
                     self.failed[key] = self.last[key]
@@ -137,38 +147,58 @@ class LinkWatch:
         self.client.set(links_key(self.node), json.dumps(addresses))
         threading.Thread(target=self._run, args=(done,), name="torchpass-links", daemon=True).start()
 
-    def _read_peers(self) -> None:
+    def _read_peers(self, now: float) -> None:
+        """The other agents' probe addresses: those not known yet, and those of a node silent on every path
+        (its agent may have started again, on new ports); not every node's every time (a store read each)."""
         for node in range(self.nnodes):
-            if node != self.node and self.client.check([links_key(node)]):
-                self.peers[node] = [tuple(a) for a in json.loads(self.client.get(links_key(node)))]
+            silent = not any(self.table.up(node, path, now) for path in range(len(self.sockets)))
+            if node == self.node or (node in self.peers and not silent) or not self.client.check([links_key(node)]):
+                continue
+            addresses = [tuple(a) for a in json.loads(self.client.get(links_key(node)))]
+            if len(addresses) != len(self.sockets) and self.peers.get(node) != addresses:
+                print(f"torchpass: node {node} has {len(addresses)} network path(s) (--interfaces), this node "
+                      f"{len(self.sockets)}: give every node the same interfaces, in the same order", file=sys.stderr,
+                      flush=True)
+            self.peers[node] = addresses
 
     def _run(self, done: threading.Event) -> None:
-        seq, reread, slow_review = 0, 0.0, time.monotonic() + _SLOW_REVIEW_S
+        seq, timers, failures = 0, (0.0, time.monotonic() + _SLOW_REVIEW_S), set()
         try:
             while not done.is_set():
-                now = time.monotonic()
-                if now >= reread:
-                    self._read_peers()
-                    reread = now + _PEERS_REREAD_S
                 seq += 1
-                self._sent[seq] = now
-                self._sent.pop(seq - _ROUND_TRIPS_KEPT, None)
-                for path, s in enumerate(self.sockets):
-                    for addresses in self.peers.values():
-                        if path < len(addresses):
-                            try:
-                                s.sendto(_DATAGRAM.pack(_PING, self.node, seq), addresses[path])
-                            except OSError:  # no route over this path now: it stays unanswered
-                                pass
-                self._answer_until(now + PROBE_INTERVAL_S)
-                for change in self.table.review(time.monotonic()):
-                    self._on_change(*change)
-                if time.monotonic() >= slow_review:
-                    self._review_slow()
-                    slow_review = time.monotonic() + _SLOW_REVIEW_S
+                try:
+                    timers = self._round(seq, *timers)
+                except Exception as exc:  # a store error, a bug: said once, and the probes go on
+                    if repr(exc) not in failures:
+                        failures.add(repr(exc))
+                        print(f"torchpass: link probes of node {self.node}: {exc!r}", file=sys.stderr, flush=True)
+                    time.sleep(PROBE_INTERVAL_S)
         finally:
             for s in self.sockets:
                 s.close()
+
+    def _round(self, seq: int, reread: float, slow_review: float) -> tuple[float, float]:
+        """One probe of every path to every node, the answers until the next, and what they changed."""
+        now = time.monotonic()
+        if now >= reread:
+            self._read_peers(now)
+            reread = now + _PEERS_REREAD_S
+        self._sent[seq] = now
+        self._sent.pop(seq - _ROUND_TRIPS_KEPT, None)
+        for path, s in enumerate(self.sockets):
+            for addresses in self.peers.values():
+                if path < len(addresses):
+                    try:
+                        s.sendto(_DATAGRAM.pack(_PING, self.node, seq), addresses[path])
+                    except OSError:  # no route over this path now: it stays unanswered
+                        pass
+        self._answer_until(now + PROBE_INTERVAL_S)
+        for change in self.table.review(time.monotonic()):
+            self._on_change(*change)
+        if time.monotonic() >= slow_review:
+            self._review_slow()
+            slow_review = time.monotonic() + _SLOW_REVIEW_S
+        return reread, slow_review
 
     def _answer_until(self, deadline: float) -> None:
         while (left := deadline - time.monotonic()) > 0:
