@@ -32,7 +32,6 @@ from torchpass_plugins.control.membership import (
     open_job_store,
     prefixed,
     serve_node,
-    under,
     wait_for_agents,
 )
 from torchpass_plugins.control.policy import Action, Policy
@@ -40,7 +39,6 @@ from torchpass_plugins.control.protocol import (
     ABORT_KEY,
     DONE_KEY,
     LEAVING,
-    PREFIX,
     RESTART_KEY,
     Exit,
     Migrate,
@@ -114,9 +112,8 @@ class Agent:
         threading.Thread(target=HealthWatch(cfg.health).run, args=(self._watched_devices, self._on_device, self._done),
                          name="torchpass-health", daemon=True).start()
         if len(cfg.interfaces) > 1 and cfg.nnodes > 1:
-            client = self._client.clone()  # the probes' own connection
-            LinkWatch(cfg.node_rank, cfg.nnodes, list(cfg.interfaces), cfg.link_grace, under(client, PREFIX),
-                      lambda: prefixed(client, self.attempt), self.events).start(self._done)
+            LinkWatch(cfg.node_rank, cfg.nnodes, list(cfg.interfaces), cfg.link_grace, self._client.clone(),
+                      lambda: self.attempt, self.events).start(self._done)
         metrics = serve(cfg.metrics_addr, cfg.run_dir) if cfg.metrics_addr and cfg.node_rank == 0 else None
         try:
             code = self._supervise()

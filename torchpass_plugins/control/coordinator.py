@@ -162,7 +162,7 @@ class Coordinator:
                     for worker_id in sorted(on_node, key=slot_order):
                         self._on_exit(worker_id, ExitCode.KILLED, why, lost)
                 case LinkDown():
-                    self._on_link_down(m)
+                    self._on_link_down(m, lost)
                 case Stop():
                     stop = True
         if (lost or self._short) and self.outcome is None:
@@ -276,17 +276,23 @@ class Coordinator:
             self.store.set(evict_key(worker_id), decision.why)
             self._on_exit(worker_id, ExitCode.KILLED, decision.why, lost)
 
-    def _on_link_down(self, report: LinkDown) -> None:
-        """Leave a failed path: the same members build their groups on another one (at once, unless lost ranks
-        wait for a spare: their roster will be the first on it)."""
+    def _on_link_down(self, report: LinkDown, lost: list[int]) -> None:
+        """Leave a failed path: the same members build their groups on another one, at once unless a roster
+        with other members is due (ranks lost in this batch or waiting for a spare, a planned migration, none
+        yet): that roster is the first on the new path."""
         decision = self.policy.link_down(report.path, self.path, self.failed_paths)
-        if decision.action is not Action.REROUTE or self.outcome is not None or self.gen < 0:
+        if self.outcome is not None:
+            return
+        if decision.action is not Action.REROUTE:
+            if decision.why:
+                self.events.emit("reroute_impossible", node=report.node, peer=report.peer, path=report.path,
+                                 why=decision.why)
             return
         self.failed_paths.add(report.path)
         self.path = decision.path
         self.events.emit("rerouted", gen=self.gen + 1, node=report.node, peer=report.peer, seconds=report.seconds,
                          **{"from": report.path, "to": self.path})
-        if not self._short:
+        if self.gen >= 0 and not (lost or self._short or self.moving):
             self._publish(Roster(self.gen + 1, tuple(self.ranks), reason=f"reroute: {decision.why}"), {})
 
     def _replace(self, lost: list[int]) -> None:

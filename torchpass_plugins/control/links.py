@@ -31,7 +31,8 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from torchpass_plugins.control.protocol import LinkDown, links_key, send
+from torchpass_plugins.control.membership import prefixed, under
+from torchpass_plugins.control.protocol import PREFIX, LinkDown, links_key, send
 from torchpass_plugins.observe.events import EventLog
 
 PROBE_INTERVAL_S = 0.2
@@ -78,6 +79,12 @@ class PathTable:
     def answered(self, node: int, path: int, now: float) -> None:
         self.last[(node, path)] = now
 
+    def expect(self, node: int, now: float) -> None:
+        """``node``'s addresses are known from ``now`` on: a path of it that never answers is judged as one
+        that stopped (a blocked port, a wrong subnet), not left out."""
+        for path in range(self.paths):
+            self.last.setdefault((node, path), now)
+
     def up(self, node: int, path: int, now: float) -> bool:
         """Whether ``path`` to ``node`` answered within ``down_after_s``."""
         return now - self.last.get((node, path), float("-inf")) <= self.down_after_s
@@ -93,8 +100,8 @@ class PathTable:
                     seconds = now - self.failed.pop(key)
                     changes.append(("recovered", node, path, seconds))
                     self.reported.discard(key)
-                    self.flapped[key] = self.flapped.get(key, 0) + 1
-                    if self.flapped[key] == self.flaps:
+                    self.flapped[key] = self.flapped.get(key, 0) + (seconds < self.grace_s)
+                    if seconds < self.grace_s and self.flapped[key] == self.flaps:
                         changes.append(("report", node, path, seconds))
                 continue
             others_up = any(self.up(node, q, now) for q in range(self.paths) if q != path)
@@ -124,12 +131,14 @@ def slow_paths(round_trips: dict[tuple[int, int], float], factor: float = SLOW_F
 
 class LinkWatch:
     """An agent's probes: answers the other nodes' on each of this node's interfaces, sends its own, and
-    reports a path down past the grace to the coordinator (through ``inbox()``, the current attempt's store)."""
+    reports a path down past the grace to the coordinator of the current attempt (``attempt()``; a job restarted
+    has a new coordinator, which is told again). ``client``: a store connection of the probes' own."""
 
-    def __init__(self, node: int, nnodes: int, interfaces: list[str], grace_s: float, client, inbox: Callable,
+    def __init__(self, node: int, nnodes: int, interfaces: list[str], grace_s: float, client, attempt: Callable,
                  events: EventLog) -> None:
         self.node, self.nnodes, self.interfaces = node, nnodes, interfaces
-        self.client, self.inbox, self.events = client, inbox, events
+        self.client, self.attempt, self.events = client, attempt, events
+        self._told = -1  # the attempt whose coordinator the reports so far went to
         self.table = PathTable(len(interfaces), DOWN_AFTER_S, grace_s)
         self.sockets = []
         for name in interfaces:
@@ -144,22 +153,30 @@ class LinkWatch:
 
     def start(self, done: threading.Event) -> None:
         addresses = [s.getsockname() for s in self.sockets]
-        self.client.set(links_key(self.node), json.dumps(addresses))
+        under(self.client, PREFIX).set(links_key(self.node), json.dumps(addresses))
         threading.Thread(target=self._run, args=(done,), name="torchpass-links", daemon=True).start()
 
     def _read_peers(self, now: float) -> None:
         """The other agents' probe addresses: those not known yet, and those of a node silent on every path
         (its agent may have started again, on new ports); not every node's every time (a store read each)."""
+        store = under(self.client, PREFIX)
         for node in range(self.nnodes):
             silent = not any(self.table.up(node, path, now) for path in range(len(self.sockets)))
-            if node == self.node or (node in self.peers and not silent) or not self.client.check([links_key(node)]):
+            if node == self.node or (node in self.peers and not silent):
                 continue
-            addresses = [tuple(a) for a in json.loads(self.client.get(links_key(node)))]
+            try:
+                if not store.check([links_key(node)]):
+                    continue
+                addresses = [(a, int(p)) for a, p in json.loads(store.get(links_key(node)))]
+            except Exception as exc:  # a store error, a bad value: this node is skipped, the others probed
+                print(f"torchpass: link probes: node {node}'s addresses: {exc!r}", file=sys.stderr, flush=True)
+                continue
             if len(addresses) != len(self.sockets) and self.peers.get(node) != addresses:
                 print(f"torchpass: node {node} has {len(addresses)} network path(s) (--interfaces), this node "
                       f"{len(self.sockets)}: give every node the same interfaces, in the same order", file=sys.stderr,
                       flush=True)
             self.peers[node] = addresses
+            self.table.expect(node, now)
 
     def _run(self, done: threading.Event) -> None:
         seq, timers, failures = 0, (0.0, time.monotonic() + _SLOW_REVIEW_S), set()
@@ -193,8 +210,16 @@ class LinkWatch:
                     except OSError:  # no route over this path now: it stays unanswered
                         pass
         self._answer_until(now + PROBE_INTERVAL_S)
+        if self.attempt() != self._told:  # a new coordinator: what it should know, it is told again
+            self._told = self.attempt()
+            self.table.reported.clear()
         for change in self.table.review(time.monotonic()):
-            self._on_change(*change)
+            try:
+                self._on_change(*change)
+            except Exception as exc:  # not sent: reported again at the next review
+                self.table.reported.discard(change[1:3])
+                print(f"torchpass: link probes: {change[0]} of path {change[2]} to node {change[1]}: {exc!r}",
+                      file=sys.stderr, flush=True)
         if time.monotonic() >= slow_review:
             self._review_slow()
             slow_review = time.monotonic() + _SLOW_REVIEW_S
@@ -234,4 +259,4 @@ class LinkWatch:
         elif what == "recovered":
             self.events.emit("link_recovered", **where, seconds=round(seconds, 3))
         else:
-            send(self.inbox(), LinkDown(self.node, node, path, seconds))
+            send(prefixed(self.client, self.attempt()), LinkDown(self.node, node, path, seconds))

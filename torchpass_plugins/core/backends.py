@@ -77,6 +77,10 @@ class GlooBackend(Backend):
               path: int = 0) -> dist.ProcessGroup:
         if not self.interfaces:
             return dist.ProcessGroupGloo(store, rank, world_size, timeout)
+        if path >= len(self.interfaces):
+            raise ConfigError(f"torchpass: the job moved to network path {path}, but this node has "
+                              f"{len(self.interfaces)} (--interfaces {','.join(self.interfaces)}): give every node "
+                              "the same number of interfaces, in the same order")
         options = dist.ProcessGroupGloo._Options()
         options._timeout = timeout
         options._devices = [dist.ProcessGroupGloo.create_device(interface=self.interfaces[path])]

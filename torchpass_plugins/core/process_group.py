@@ -34,6 +34,7 @@ import torch.distributed as dist
 from torchpass_plugins.control.membership import Member, under
 from torchpass_plugins.core.backends import AbortHung, Backend, GlooBackend, abort_within
 from torchpass_plugins.core.waits import completion, waited_in_thread
+from torchpass_plugins.errors import ConfigError
 
 _TICK = 0.05
 _SLICE = timedelta(seconds=_TICK)
@@ -288,6 +289,8 @@ class ReconfigurableGroup(dist.ProcessGroup):
                 raise PeerFailure(f"{what}: generation {self.member.latest_gen} replaced {self.gen}")
         try:
             return fut.result()
+        except ConfigError:
+            raise  # (a group this node cannot build on any try: the job stops, naming the setting)
         except Exception as exc:
             raise self._fail(what, exc) from exc
 
