@@ -35,11 +35,11 @@ lane() {
 
 status=0
 if [[ ${#mode[@]} -eq 0 ]]; then
-  lane regain overhead reduction_ab fsdp_replication snapshot_stall accelerate_loop state_transfer torchft_compare coordinator_scale || status=$?
+  lane regain overhead reduction_ab fsdp_replication snapshot_stall accelerate_loop state_transfer torchft_compare coordinator_scale link_reroute || status=$?
 else
   (lane accelerate_loop regain snapshot_stall reduction_ab 2>&1 | sed -u 's/^/[lane 1] /') &
   first=$!
-  lane overhead fsdp_replication torchft_compare state_transfer coordinator_scale 2>&1 | sed -u 's/^/[lane 2] /' || status=$?
+  lane overhead fsdp_replication torchft_compare state_transfer coordinator_scale link_reroute 2>&1 | sed -u 's/^/[lane 2] /' || status=$?
   wait "${first}" || status=$?
 fi
 lane goodput || status=$?
