@@ -134,9 +134,9 @@ class FakeGroup:
         if why is not None:
             raise PeerFailure(why)
 
-    def configure(self, generation: int, rank: int) -> None:
+    def configure(self, generation: int, rank: int, path: int = 0) -> None:
         self.abort()
-        self.gen, self.rank, self._failure = generation, rank, None
+        self.gen, self.rank, self.path, self._failure = generation, rank, path, None
         with self.world.cond:
             g = self.world.generation(generation)
             g.connected.add(rank)
