@@ -49,6 +49,7 @@ class WeightSubscriber:
                  storage_options: dict | None = None, fallback_s: float = 30.0, shared_memory: bool = True) -> None:
         self._addresses = [wire.address(e.strip()) for e in endpoint.split(",")]
         self._address = self._addresses[0]
+        self._served = False  # whether the current address has served a connection
         self.name = name or f"{socket.gethostname()}:{os.getpid()}"
         self._token = wire.token_or_env(token)
         self._retry_s, self._stall_s = retry_s, stall_s
@@ -123,7 +124,7 @@ class WeightSubscriber:
                 if lost:
                     self.events.emit("weights_connection_lost", error=str(exc) or type(exc).__name__)
                 self._disconnect()
-                self._next_address(announce=lost)
+                self._next_address()
                 if (stored := self._from_storage(have)) is not None:
                     return stored
                 time.sleep(self._retry_s)
@@ -133,13 +134,14 @@ class WeightSubscriber:
                              seconds=time.perf_counter() - started, path=path)
             return version, {e.name: wire.view(buffer, e) for e in entries}
 
-    def _next_address(self, announce: bool) -> None:
-        """After a lost connection (``announce``: in the event log) or none made: the publisher's next
-        address, if it has several."""
+    def _next_address(self) -> None:
+        """After a lost connection or a failed attempt: the publisher's next address, if it has several; the
+        move is logged when it leaves an address that had served a connection (not while one first comes up)."""
         if len(self._addresses) > 1:
             before = self._address
             self._address = self._addresses[(self._addresses.index(before) + 1) % len(self._addresses)]
-            if announce:
+            if self._served:
+                self._served = False
                 self.events.emit("weights_rerouted", **{"from": f"{before[0]}:{before[1]}",
                                                         "to": f"{self._address[0]}:{self._address[1]}"})
 
@@ -231,7 +233,7 @@ class WeightSubscriber:
                 who = "the publisher refused the token" if "error" in reply else "the publisher did not prove the token"
                 raise TokenRefused(f"{who} at tcp://{self._address[0]}:{self._address[1]}: both sides need the "
                                    f"same token (token= or {wire.TOKEN_VARIABLE})")
-            self._lines = lines
+            self._lines, self._served = lines, True
         return self._lines
 
     def _disconnect(self) -> None:
