@@ -277,21 +277,18 @@ class Coordinator:
             self._on_exit(worker_id, ExitCode.KILLED, decision.why, lost)
 
     def _on_link_down(self, report: LinkDown, lost: list[int]) -> None:
-        """Leave a failed path: the same members build their groups on another one, at once unless a roster
-        with other members is due (ranks lost in this batch or waiting for a spare, a planned migration, none
-        yet): that roster is the first on the new path."""
+        """Leave a failed path: the same members build their groups on another, at once unless a roster with
+        other members is due (ranks lost or awaited, a migration, none yet), which is then the first on it."""
         decision = self.policy.link_down(report.path, self.path, self.failed_paths)
-        if self.outcome is not None:
-            return
-        if decision.action is not Action.REROUTE:
-            if decision.why:
-                self.events.emit("reroute_impossible", node=report.node, peer=report.peer, path=report.path,
-                                 why=decision.why)
+        where = {"node": report.node, "peer": report.peer}
+        if self.outcome is not None or decision.action is not Action.REROUTE:
+            if self.outcome is None and decision.why:  # (no why: a path no longer used)
+                self.events.emit("reroute_impossible", **where, path=report.path, why=decision.why)
             return
         self.failed_paths.add(report.path)
         self.path = decision.path
-        self.events.emit("rerouted", gen=self.gen + 1, node=report.node, peer=report.peer, seconds=report.seconds,
-                         **{"from": report.path, "to": self.path})
+        self.events.emit("rerouted", gen=self.gen + 1, **where, seconds=report.seconds, to=self.path,
+                         **{"from": report.path})
         if self.gen >= 0 and not (lost or self._short or self.moving):
             self._publish(Roster(self.gen + 1, tuple(self.ranks), reason=f"reroute: {decision.why}"), {})
 

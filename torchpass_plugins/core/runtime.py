@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from torchpass_plugins.control.membership import JobAborted, JoinRejected, Member
-from torchpass_plugins.control.protocol import TRAINED_KEY, Stalled, reached_key, send
+from torchpass_plugins.control.protocol import TRAINED_KEY, RosterChange, Stalled, reached_key, send
 from torchpass_plugins.control.worker_env import WorkerEnv
 from torchpass_plugins.core import rng
 from torchpass_plugins.core.buffer_sync import BufferSync
@@ -263,13 +263,13 @@ class Runtime(SignalVerbs):
         t0 = time.perf_counter()
         while True:
             self.report_stall(cause)
-            gen = self.next_roster()
+            change = self.next_roster()
+            gen = change.gen
             plan.prepare()
             try:
                 t_connect = time.perf_counter()
-                path = self.member.change(gen).path
                 for group in (self.transport, *self.side_transports):
-                    group.configure(gen, self.rank, path)
+                    group.configure(gen, self.rank, change.path)
                 connect_s = time.perf_counter() - t_connect
                 if not self.is_spare:
                     faults.point("survivor")
@@ -303,15 +303,14 @@ class Runtime(SignalVerbs):
         grace_s = self.transport.timeout.total_seconds() / 2  # the others time out within this
         send(self.member.store, Stalled(self.env.worker_id, gen, grace_s, why=cause))
 
-    def next_roster(self) -> int:
-        """Wait for a roster newer than the current group's; returns its generation (raises if it aborts)."""
+    def next_roster(self) -> RosterChange:
+        """Wait for a roster newer than the current group's; returns what it changed (raises if it aborts)."""
         self.member.wait_newer_than(self.transport.gen if self.transport.built() else -1)
-        gen = self.member.latest_gen
-        abort = self.member.change(gen).abort
-        if abort:
-            self.events.emit("job_aborted", rank=self.rank, message=abort, applied=self._applied())
-            raise JobAborted(abort)
-        return gen
+        change = self.member.change(self.member.latest_gen)
+        if change.abort:
+            self.events.emit("job_aborted", rank=self.rank, message=change.abort, applied=self._applied())
+            raise JobAborted(change.abort)
+        return change
 
     def training_complete(self, step: int) -> None:
         """Past the barrier that ends ``fit``: every rank has finished training (see ``TRAINED_KEY``)."""
