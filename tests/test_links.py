@@ -202,6 +202,8 @@ def test_a_link_cut_for_good_is_routed_around_without_a_spare_and_the_job_is_bit
     assert {e["peer"] for e in job.events("link_failure")} | {e["node"] for e in job.events("link_failure")} >= {1}
     _no_worker_replaced(job)
     assert len(job.applied(0)) == STEPS  # every step applied once: none recomputed
+    # The shared fork server's children entered the hosts' namespaces (gloo found their eth1 and eth0).
+    assert [e["shared"] for e in job.events("fork_server_started")] == [True] * 3
 
 
 @pytest.mark.timeout(240)

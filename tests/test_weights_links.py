@@ -25,10 +25,13 @@ from torchpass_plugins.testing.netns import Hosts
 FOLLOWER = Path(__file__).parent / "scripts" / "weights_follower.py"
 VERSIONS, ELEMENTS = 110, 4 << 20  # 16 MiB a version
 PUBLISHER = textwrap.dedent("""
-    import sys, time, torch
+    import os, sys, time, torch
     from torchpass_plugins.observe.events import EventLog
     from torchpass_plugins.weights import WeightPublisher
     publisher = WeightPublisher(sys.argv[1], events=EventLog(sys.argv[2], source="publisher"))
+    open(sys.argv[5] + ".listening", "w").close()  # the follower may start
+    while not os.path.exists(sys.argv[5]):  # the follower's output: it is about to subscribe
+        time.sleep(0.05)
     state = {"w": torch.zeros(int(sys.argv[4]))}
     for version in range(int(sys.argv[3])):
         state["w"].fill_(version)  # every byte of a version says which one it is
@@ -41,6 +44,18 @@ PUBLISHER = textwrap.dedent("""
 def _events(path: Path, name: str) -> list[dict]:
     lines = path.read_text().splitlines() if path.exists() else []
     return [e for e in map(json.loads, lines) if e["event"] == name]
+
+
+def _publisher(hosts: Hosts, endpoint: str, events: Path, received: Path, env: dict) -> subprocess.Popen:
+    """The publisher on host 0, listening when this returns (a subscriber's first attempt finds it there, so
+    that the address it starts on is the one it is served on); it publishes once the follower is up."""
+    proc = hosts.popen(0, [sys.executable, "-c", PUBLISHER, endpoint, str(events), str(VERSIONS), str(ELEMENTS),
+                           str(received)], env=env)
+    deadline = time.monotonic() + 60
+    while not Path(f"{received}.listening").exists():
+        assert proc.poll() is None and time.monotonic() < deadline, "the publisher did not start"
+        time.sleep(0.05)
+    return proc
 
 
 @contextlib.contextmanager
@@ -74,9 +89,7 @@ def test_a_subscriber_rides_out_a_flap_and_reconnects_after_a_cut_and_every_vers
         endpoint = f"tcp://{hosts.address(0)}:29600"
         hosts.qdisc(1, "tbf", "rate", "300mbit", "burst", "64kb", "latency", "400ms")  # about 0.5 s a version
         with _killed_at_exit() as processes:
-            publisher = hosts.popen(0, [sys.executable, "-c", PUBLISHER, endpoint, str(events), str(VERSIONS),
-                                        str(ELEMENTS)], env=env)
-            processes.append(publisher)
+            processes.append(_publisher(hosts, endpoint, events, received, env))
             follower = hosts.popen(1, [sys.executable, str(FOLLOWER), endpoint, str(received), "--final",
                                        str(VERSIONS - 1), "--patience", "60", "--events", str(events), "--tcp"],
                                       env=env)  # (the namespaces share a kernel: it could map the copies)
@@ -124,8 +137,7 @@ def test_a_subscriber_given_the_publishers_address_on_two_paths_takes_the_other_
         endpoints = f"tcp://{hosts.address(0, path=1)}:29600,tcp://{hosts.address(0, path=0)}:29600"
         hosts.qdisc(1, "tbf", "rate", "300mbit", "burst", "64kb", "latency", "400ms", path=1)  # a version in flight
         with _killed_at_exit() as processes:
-            processes.append(hosts.popen(0, [sys.executable, "-c", PUBLISHER, "tcp://0.0.0.0:29600", str(events),
-                                             str(VERSIONS), str(ELEMENTS)], env=env))
+            processes.append(_publisher(hosts, "tcp://0.0.0.0:29600", events, received, env))
             follower = hosts.popen(1, [sys.executable, str(FOLLOWER), endpoints, str(received), "--final",
                                        str(VERSIONS - 1), "--patience", "60", "--events", str(events), "--tcp"],
                                    env=env)

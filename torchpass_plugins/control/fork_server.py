@@ -1,22 +1,24 @@
 """A fork server that outlives jobs, so that successive jobs on a machine skip the heavy imports.
 
-Each node's agent starts a zygote (:mod:`~torchpass_plugins.control.zygote`) that imports torch and Lightning
-once per job: seconds of CPU, paid again by every job of a Hydra sweep or a test suite. Where
-``TORCHPASS_FORK_SERVER`` names the socket of a running ``torchpass fork-server``, the agent asks that server
-for its zygote instead: the server forks a child that already holds the imports, hands it the agent's end of
-the zygote connection, its standard streams, working directory and CPU affinity, and the child serves the
-agent as a zygote it started itself would. What a zygote cannot be given after it imported torch must be
-the same for both: the modules preloaded, the namespaces (a network namespace stands for another host),
-the control groups, and the environment variables that libraries read as they load (``OMP_NUM_THREADS``
-sizes OpenMP's pool then; :data:`READ_AT_IMPORT`), except those the imports set themselves. Where anything
-differs (or the server runs as another user, from another Python, or with torchpass's files changed since
-it started), or no server is there, the agent starts its own zygote, as without the variable (the server's
-output says why). A zygote forked by the server leads a session of its own and does not end with the
-server: it ends when its agent does.
+Each node's agent starts a zygote (:mod:`~torchpass_plugins.control.zygote`) that imports torch and Lightning once
+per job: seconds of CPU, paid again by every job of a Hydra sweep or a test suite. Where ``TORCHPASS_FORK_SERVER``
+names the socket of a running ``torchpass fork-server``, the agent asks that server for its zygote instead: the
+server forks a child that already holds the imports, hands it the agent's end of the zygote connection, its
+standard streams, working directory and CPU affinity, and the child serves the agent as a zygote it started itself
+would. What a zygote cannot be given after it imported torch must be the same for both: the modules preloaded, the
+namespaces, the control groups, and the environment variables that libraries read as they load (``OMP_NUM_THREADS``
+sizes OpenMP's pool then; :data:`READ_AT_IMPORT`), except those the imports set themselves. Where anything differs
+(or the server runs as another user, from another Python, or with torchpass's files changed since it started), or
+no server is there, the agent starts its own zygote, as without the variable (the server's output says why). A
+server running as root is the exception for the network, mount, UTS and IPC namespaces: its child enters the
+agent's (a network namespace standing for another host, ``ip netns exec``), where a zygote started by the agent
+would be. A zygote forked by the server leads a session of its own and does not end with the server: it ends when
+its agent does.
 """
 
 from __future__ import annotations
 
+import ctypes
 import io
 import json
 import os
@@ -29,6 +31,7 @@ from torchpass_plugins.control import zygote
 
 VARIABLE = "TORCHPASS_FORK_SERVER"
 _NAMESPACES = ("mnt", "net", "pid", "user", "uts", "ipc")
+_ENTERABLE = ("net", "mnt", "uts", "ipc")  # a child of a root server can move into these (setns); not pid, user
 _STREAMS = 3  # stdin, stdout, stderr
 _AGENT_WAIT_S = 30.0  # how long an agent waits for the server's answer
 _REQUEST_S = 2.0  # how long the server waits for a request's bytes (one at a time: a stalled agent is dropped)
@@ -39,11 +42,29 @@ READ_AT_IMPORT = ("OMP_", "KMP_", "GOMP_", "MKL_", "OPENBLAS_", "MALLOC_", "LD_"
 _READ_LATER = ("TORCH_NCCL_",)
 
 
-def _namespaces(pid: int | str) -> list[int | str]:
+def _namespaces(pid: int | str) -> dict[str, int | str]:
     """A process's namespaces and control groups (a Slurm job's, say): a zygote forked elsewhere would run
     its workers in the server's."""
     with open(f"/proc/{pid}/cgroup") as groups:
-        return [os.stat(f"/proc/{pid}/ns/{name}").st_ino for name in _NAMESPACES] + [groups.read()]
+        return {**{name: os.stat(f"/proc/{pid}/ns/{name}").st_ino for name in _NAMESPACES}, "cgroup": groups.read()}
+
+
+def _to_enter(pid: int) -> tuple[list[str], list[str]]:
+    """The namespaces of process ``pid`` that differ from this one's: those a child of this server can enter,
+    and those it cannot (any, where the server is not root)."""
+    theirs, ours = _namespaces(pid), _namespaces("self")
+    differ = [name for name in theirs if theirs[name] != ours[name]]
+    enterable = [name for name in _ENTERABLE if name in differ] if os.geteuid() == 0 else []
+    return enterable, [name for name in differ if name not in enterable]
+
+
+def _enter(fds: list[int]) -> None:
+    """(In the forked child, single-threaded.) Move into the namespaces that ``fds`` (``/proc/PID/ns/*``) name."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    for fd in fds:
+        if libc.setns(fd, 0) != 0:
+            raise OSError(ctypes.get_errno(), "setns")
+        os.close(fd)
 
 
 def read_at_import() -> dict[str, str]:
@@ -137,30 +158,34 @@ class _Server:
     def answer(self, listener: socket.socket, conn: socket.socket) -> None:
         conn.settimeout(_REQUEST_S)
         message, fds, _, _ = socket.recv_fds(conn, 1 << 20, 1 + _STREAMS)
+        namespaces: list[int] = []  # the agent's, to enter: opened now, while the agent surely lives
         try:
             request = json.loads(message)
-            refused = self._refusal(conn, request, fds)
+            pid, uid, _ = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                                              struct.calcsize("3i")))
+            enter, foreign = _to_enter(pid)
+            refused = self._refusal(uid, foreign, request, fds)
             if refused:
                 print(f"torchpass fork server: an agent starts its own: {refused}", flush=True)
                 conn.sendall(b"{}\n")
                 return
+            namespaces = [os.open(f"/proc/{pid}/ns/{name}", os.O_RDONLY) for name in enter]
             pid = os.fork()
             if pid == 0:
-                _become_zygote(listener, conn, request, fds, self.preload)
+                _become_zygote(listener, conn, request, fds, namespaces, self.preload)
             conn.sendall((json.dumps({"pid": pid}) + "\n").encode())
         finally:
-            for fd in fds:
+            for fd in fds + namespaces:
                 os.close(fd)
 
-    def _refusal(self, conn: socket.socket, request: dict, fds: list[int]) -> str | None:
-        pid, uid, _ = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+    def _refusal(self, uid: int, foreign: list[str], request: dict, fds: list[int]) -> str | None:
         theirs = {name: value for name, value in request["environment"].items() if name not in self.own}
         differs = sorted(name for name in theirs.keys() | self.environment.keys()
                          if theirs.get(name) != self.environment.get(name))
         changed = [path for path, mtime in self.code.items() if _mtime(path) != mtime]
         return ("its standard streams are not all open" if len(fds) != 1 + _STREAMS else
                 "it runs as another user" if uid != os.getuid() else
-                "other namespaces or control groups" if _namespaces(pid) != _namespaces("self") else
+                f"other namespaces or control groups: {', '.join(foreign)}" if foreign else
                 f"it runs {request['executable']}" if request["executable"] != sys.executable else
                 f"it preloads {request['preload']}" if request["preload"] != self.preload else
                 f"variables read at import differ: {', '.join(differs)}" if differs else
@@ -175,11 +200,12 @@ def _mtime(path: str) -> int | None:
 
 
 def _become_zygote(listener: socket.socket, conn: socket.socket, request: dict, fds: list[int],
-                   preload: list[str]) -> None:
-    """(In the forked child.) Take the agent's streams and place, and serve it; never returns."""
+                   namespaces: list[int], preload: list[str]) -> None:
+    """(In the forked child.) Take the agent's namespaces, streams and place, and serve it; never returns."""
     try:
         listener.close()
         conn.close()
+        _enter(namespaces)
         os.setsid()  # signals to the server's session or process group are not for the agents' jobs
         zygote_fd, streams = fds[0], fds[1:]
         for target, fd in enumerate(streams):
