@@ -15,6 +15,8 @@ compares every logical rank's full state at the end with a failure-free run of t
   its replica and the logged gradients, replaying the optimizer steps on the GPU (the live run's kernels).
 - (g) in one process: the gradient log's replay of 3 logged optimizer steps against the live steps on the
   GPU (AdamW foreach and fused, SGD with momentum), bit for bit; and the same replay on the host.
+- (h) ``torchpass audit --local`` on the GPUs: the burn-in's rate and drop, NVML readings under load, the
+  links between the GPUs' workers, and its verdict.
 - (e) with two or more GPUs (``gpu_nccl.py``): the NCCL kill/hang matrix with a survivor, a new
   generation's cost, an abort with a collective stuck on an absent peer (against the abort deadline),
   state to a spare against raw NCCL sends, step time against ``ddp`` and FSDP2.
@@ -32,6 +34,7 @@ import argparse
 import json
 import shutil
 import statistics
+import subprocess
 import sys
 import time
 import traceback
@@ -172,6 +175,21 @@ def nvml_readings() -> list[str]:
     return [f"(c) NVML, GPU {i} | {r}" for i, r in enumerate(readings)]
 
 
+def audit_on_the_gpus() -> list[str]:
+    """``torchpass audit --local`` on this machine's GPUs: the burn-in, NVML under load, the links between
+    the GPUs' workers (gloo), without the drill (parts (a) and (b) are drills on the GPU)."""
+    out = WORK / "h-audit"
+    done = subprocess.run([sys.executable, "-m", "torchpass_plugins.cli", "audit", "--local", "--duration", "20",
+                           "--no-drill", "--out", str(out)], capture_output=True, text=True, timeout=JOB_TIMEOUT)
+    audit = json.loads((out / "audit.json").read_text())
+    rows = [f"(h) audit, {r['device']} | burn-in {r.get('compute_gflops', 0):.0f} GFLOP/s, drop "
+            f"{r.get('compute_drop', 0):.0%}; NVML under load: "
+            f"{r['health'].get('reading') if r.get('health', {}).get('available') else 'not available'}"
+            for r in audit["results"]]
+    findings = [(f["check"], f["part"], f["why"]) for f in audit["findings"]] or "none"
+    return [*rows, f"(h) audit verdict | exit {done.returncode}; findings: {findings}"]
+
+
 def snapshot_stall() -> list[str]:
     hidden, steps = ("512", "12") if GPU[1] == "cpu" else ("2048", "24")  # on CPU: checking the script only
     args = (*GPU, "--num-nodes", "1", "--hidden", hidden, "--max-steps", steps)
@@ -197,7 +215,8 @@ def nccl_with_survivors() -> list[str]:
 
 
 PARTS = {"g": replay_against_live, "a": shared_gpu_over_gloo, "f": sharded_over_gloo,
-         "b": nccl_restart_on_a_new_communicator, "c": nvml_readings, "d": snapshot_stall, "e": nccl_with_survivors}
+         "b": nccl_restart_on_a_new_communicator, "c": nvml_readings, "d": snapshot_stall, "e": nccl_with_survivors,
+         "h": audit_on_the_gpus}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -227,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
     info = machine()
     count = torch.cuda.device_count()
     rows, failures = [], []
-    letters = ns.parts.split(",") if ns.parts else [k for k in PARTS if not (ns.on_cpu and k == "c")]  # c: NVML
+    letters = ns.parts.split(",") if ns.parts else [k for k in PARTS if not (ns.on_cpu and k in "ch")]  # NVML
     parts = [PARTS[letter] for letter in letters]
     for part in parts:
         t0 = time.perf_counter()

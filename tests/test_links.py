@@ -172,10 +172,11 @@ _TRAIN = (*_LAYOUT, "--max-steps", str(STEPS), "--sleep-per-step", "0.3")
 FSDP = ("--strategy", "torchpass_fsdp")
 
 
-def _job_on_two_paths(tmp_path, hosts: Hosts, grace_s: float, heartbeat_s: float = 10.0, train: tuple = ()):
+def _job_on_two_paths(tmp_path, hosts: Hosts, grace_s: float, heartbeat_s: float = 10.0, train: tuple = (),
+                      interfaces: str | None = None):
     """3 hosts x 1 slot: rank 0 on host 0 (the store), rank 1 on host 1, the spare on host 2."""
     return start(tmp_path, nproc=1, spares=1, nnodes=3, train_args=(*_TRAIN, *train), hosts=hosts,
-                 launch_args=("--interfaces", hosts.interfaces(), "--link-grace", str(grace_s),
+                 launch_args=("--interfaces", interfaces or hosts.interfaces(), "--link-grace", str(grace_s),
                               "--heartbeat-timeout", str(heartbeat_s)))
 
 
@@ -228,8 +229,13 @@ def test_a_three_second_flap_is_ridden_out_on_the_same_path_and_the_job_is_bit_e
 
 @pytest.mark.timeout(240)
 def test_a_host_cut_off_on_every_path_is_that_hosts_loss_and_a_spare_elsewhere_takes_its_rank(tmp_path, reference):
+    """The job takes every interface each host has (``--interfaces all``): eth0 and eth1, in that order."""
     with Hosts(3, paths=2) as hosts:
-        job = _job_on_two_paths(tmp_path, hosts, grace_s=2.0, heartbeat_s=5.0)
+        listed = subprocess.run(["ip", "netns", "exec", hosts.name(1), sys.executable, "-c",
+                                 "from torchpass_plugins.control.links import all_interfaces; print(all_interfaces())"],
+                                capture_output=True, text=True, timeout=60)
+        assert listed.stdout.strip() == "('eth0', 'eth1')", listed.stdout + listed.stderr
+        job = _job_on_two_paths(tmp_path, hosts, grace_s=2.0, heartbeat_s=5.0, interfaces="all")
         try:
             job.wait_until(lambda: len(job.applied(1)) >= 5, "rank 1 to train")
             hosts.link(1, up=False, path=1)

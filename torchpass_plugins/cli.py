@@ -7,6 +7,7 @@ import os
 import sys
 from typing import Any
 
+from torchpass_plugins.audit.options import AuditOptions
 from torchpass_plugins.config import AgentConfig, TorchPassConfig, settings
 from torchpass_plugins.control.agent import launch
 from torchpass_plugins.control.launch_config import LaunchConfig
@@ -72,6 +73,10 @@ def main(argv: list[str] | None = None) -> int:
     chaos.add_argument("--doc", default=None, help="write the result table into this Markdown file")
     chaos.add_argument("--links", action="store_true", help="the link scenarios: link faults on test hosts "
                        "(network namespaces; needs root)")
+    audit = sub.add_parser("audit", help="measure every device, host and link of the nodes at once, run a live "
+                           "drill, and fail on what is far worse than its peers (run on every node, as launch)")
+    add_setting_flags(audit, AuditOptions)
+    audit.add_argument("--local", action="store_true", help="this machine alone (no other node)")
     rep = sub.add_parser("report", help="summary table and timeline PNG of a run, from RUN_DIR/events.jsonl")
     rep.add_argument("run_dir")
     forks = sub.add_parser("fork-server", help="import torch and Lightning once for successive jobs on this machine "
@@ -85,6 +90,17 @@ def main(argv: list[str] | None = None) -> int:
 
         run(ns.socket, [m for m in ns.preload.split(",") if m.strip()])
         return 0
+    if ns.cmd == "audit":
+        from torchpass_plugins.audit.run import audit as run_audit
+
+        options = from_flags(ns, AuditOptions)
+        try:
+            if ns.local and options.nnodes != 1:
+                raise ValueError("--local audits this machine alone: leave out --nnodes")
+            options.validate()
+        except ValueError as exc:
+            parser.error(str(exc))
+        return run_audit(options)
     if ns.cmd == "report":
         from torchpass_plugins.observe.report import report
 

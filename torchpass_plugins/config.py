@@ -214,7 +214,8 @@ class AgentConfig:
     interfaces: str = setting("", "this node's network interfaces the job's collectives may take, in order of "
                                   "preference, comma-separated, each on a subnet of its own (eth1,eth0); the same "
                                   "count on every node. A link that fails on one is left for the next, no worker "
-                                  "replaced. Empty: one path, gloo's choice", "--interfaces")
+                                  "replaced. 'all': every interface up with an IPv4 address, loopback aside, by "
+                                  "name. Empty: one path, gloo's choice", "--interfaces")
     link_grace_s: float = setting(5.0, "with --interfaces: seconds a path may be down (a flap) before the job leaves "
                                        "it for the next", "--link-grace")
     seed: Optional[int] = setting(None, "job seed for per-step RNG (default: from PL_GLOBAL_SEED)", "--seed")

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from torchpass_plugins.config import AgentConfig, TorchPassConfig
 from torchpass_plugins.control.etcd_gateway import PASSWORD_VARIABLE, Credentials, address
-from torchpass_plugins.control.links import interface_address
+from torchpass_plugins.control.links import all_interfaces, interface_address
 from torchpass_plugins.health.watch import HealthConfig, HealthThresholds
 
 
@@ -69,7 +69,8 @@ class LaunchConfig:
             straggler_migrate=job.stragglers.policy == "migrate", metrics_addr=job.telemetry.metrics_addr,
             preload=tuple(m for m in job.preload.split(",") if m.strip()), first_slot=first_slot,
             external_store=external_store,
-            interfaces=tuple(i.strip() for i in agent.interfaces.split(",") if i.strip()),
+            interfaces=(all_interfaces() if agent.interfaces.strip() == "all" else
+                        tuple(i.strip() for i in agent.interfaces.split(",") if i.strip())),
             link_grace=agent.link_grace_s,
         )
 

@@ -58,6 +58,22 @@ def interface_address(name: str) -> str:
     return socket.inet_ntoa(packed[20:24])
 
 
+def all_interfaces() -> tuple[str, ...]:
+    """``--interfaces all``: every interface of this node that is up with an IPv4 address, loopback aside,
+    by name (nodes named alike list their rails in the same order)."""
+    found = []
+    for _, name in sorted(socket.if_nameindex(), key=lambda entry: entry[1]):
+        try:
+            with open(f"/sys/class/net/{name}/operstate") as state:
+                down = state.read().strip() == "down"
+            up = not down and not interface_address(name).startswith("127.")
+        except (OSError, ValueError):  # no IPv4 address, or gone meanwhile
+            continue
+        if up:
+            found.append(name)
+    return tuple(found)
+
+
 @dataclass
 class PathTable:
     """What the probes found, per (node, path): pure, fed with answer times, read with :meth:`review`.

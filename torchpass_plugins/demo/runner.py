@@ -98,13 +98,31 @@ def _regain(run: _Run, killed_at: float) -> tuple[int, float]:
     return in_flight, max(a[in_flight] for a in applied) - killed_at
 
 
-def run_demo(steps: int = 60, run_dir: str = "torchpass_runs/demo") -> int:
-    console = wide_console()
-    root = Path(run_dir)
-    console.rule("[bold]torchpass demo: lose a worker, not your progress")
-    console.print(f"3 active workers + 1 spare train a small classifier for {steps} steps (AdamW, dropout, "
-                  "per-step LR schedule, gradient accumulation 2, BatchNorm, augmenting loader workers, a metric). "
-                  "One worker is SIGKILLed mid-run.")
+@dataclass
+class DrillResult:
+    """A kill-and-compare run: the job with a worker SIGKILLed against the same job without failures."""
+
+    run_dir: Path  # the failing job's
+    job_failed: bool  # a job exited non-zero
+    found: list[str]  # the state differences, by rank
+    once: bool  # every optimizer step applied exactly once on every rank
+    recomputed: int  # the most steps a rank applied more than once
+    in_flight: int  # the step in flight at the kill
+    regain_s: float
+
+    @property
+    def identical(self) -> bool:
+        return not self.job_failed and not self.found
+
+    @property
+    def passed(self) -> bool:
+        return self.identical and self.once
+
+
+def drill(root: Path, steps: int, console: Console | None = None) -> DrillResult:
+    """3 active workers + 1 spare train for ``steps``; logical rank 1 is SIGKILLed mid-epoch; then the same
+    job runs without failures and every rank's full state is compared bit for bit (``console``: progress)."""
+    console = console or Console(quiet=True)
     failing = _start(root / "with-failure", nproc=WORLD + 1, spares=1, steps=steps)
     # mid-epoch (an epoch is 10 steps): a kill just after an epoch's last step lands in the epoch-end metric
     # synchronization, which no spare can join, and the job restarts instead (docs/failure-semantics.md)
@@ -112,26 +130,38 @@ def run_demo(steps: int = 60, run_dir: str = "torchpass_runs/demo") -> int:
     console.print("Now the same job without failures, for comparison.")
     reference = _start(root / "reference", nproc=WORLD, spares=0, steps=steps)
     _follow(console, reference, steps, "reference   ")
-    if failing.proc.returncode or reference.proc.returncode:
-        console.print(f"[red]a job failed; see {root}/*/job.log")
-        return 1
+    if failing.proc.returncode or reference.proc.returncode or killed_at is None:
+        return DrillResult(failing.run_dir, True, [], False, 0, -1, float("nan"))
     expected, got = Job(reference.run_dir), Job(failing.run_dir)
     found = [d for r in range(WORLD) for d in differences(expected.state(r), got.state(r), f"rank{r}")]
-    identical = not found
     counts = [[s for s, _ in failing.applied(r)] for r in range(WORLD)]
-    once = all(c == list(range(steps)) for c in counts)
-    recomputed = max(len(c) - len(set(c)) for c in counts)  # steps a rank applied more than once
     in_flight, regain = _regain(failing, killed_at)
+    return DrillResult(failing.run_dir, False, found, all(c == list(range(steps)) for c in counts),
+                       max(len(c) - len(set(c)) for c in counts), in_flight, regain)
+
+
+def run_demo(steps: int = 60, run_dir: str = "torchpass_runs/demo") -> int:
+    console = wide_console()
+    root = Path(run_dir)
+    console.rule("[bold]torchpass demo: lose a worker, not your progress")
+    console.print(f"3 active workers + 1 spare train a small classifier for {steps} steps (AdamW, dropout, "
+                  "per-step LR schedule, gradient accumulation 2, BatchNorm, augmenting loader workers, a metric). "
+                  "One worker is SIGKILLed mid-run.")
+    result = drill(root, steps, console)
+    if result.job_failed:
+        console.print(f"[red]a job failed; see {root}/*/job.log")
+        return 1
     table = Table(title="Result")
     table.add_column("check")
     table.add_column("value")
     table.add_row("every rank's full state bit-identical to the failure-free run (parameters, buffers, optimizer, "
-                  "schedulers, loop progress, metrics, RNG)", "[green]yes" if identical else f"[red]no: {found[0]}")
-    table.add_row("every optimizer step applied exactly once on every rank", "[green]yes" if once else "[red]no")
-    table.add_row("steps recomputed (applied again by a rank)", str(recomputed))
-    table.add_row(f"regain time (kill -> every rank past step {in_flight})", f"{regain:.2f} s")
-    table.add_row("event log", str(failing.run_dir / "events.jsonl"))
+                  "schedulers, loop progress, metrics, RNG)",
+                  "[green]yes" if result.identical else f"[red]no: {result.found[0]}")
+    table.add_row("every optimizer step applied exactly once on every rank", "[green]yes" if result.once else "[red]no")
+    table.add_row("steps recomputed (applied again by a rank)", str(result.recomputed))
+    table.add_row(f"regain time (kill -> every rank past step {result.in_flight})", f"{result.regain_s:.2f} s")
+    table.add_row("event log", str(result.run_dir / "events.jsonl"))
     console.print(table)
-    console.rule("torchpass report " + str(failing.run_dir))
-    report(failing.run_dir, console)
-    return 0 if identical and once else 1
+    console.rule("torchpass report " + str(result.run_dir))
+    report(result.run_dir, console)
+    return 0 if result.passed else 1

@@ -1,0 +1,122 @@
+"""What an audit's measurements say: pure functions over the numbers, so every threshold is tested in-process.
+
+A part is judged against its peers measured in the same run (the median of the others, not a datasheet):
+what a cluster of one kind can do is what most of its parts do. A device computing far slower than the
+others, a link carrying far less, or answering far later, is an outlier; so is a part worse than the same
+part in a baseline run (``--baseline``: an earlier good audit of this cluster), and any critical health
+reading. Each finding names the part, the value, the value it was held against, and why it failed.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import asdict, dataclass
+
+# A device's sustained matmul rate under 60% of its peers' median, or one whose rate fell during the burn-in by
+# 25 points more than theirs (throttling under load); host memory bandwidth under 50% of the other nodes'.
+COMPUTE_RATIO, COMPUTE_DROP, MEMORY_RATIO = 0.6, 0.25, 0.5
+# A link carrying under 30% of the median link's bandwidth, or answering over 5 times later plus 1 ms. Links
+# within a node and between nodes are held against their own kind.
+BANDWIDTH_RATIO, LATENCY_FACTOR, LATENCY_FLOOR_MS = 0.3, 5.0, 1.0
+BASELINE_RATIO = 0.7  # worse than 70% of the baseline's value for the same part
+
+
+@dataclass(frozen=True)
+class Finding:
+    check: str  # "compute", "compute drop", "memory", "bandwidth", "latency", "health", "drill", "baseline"
+    part: str  # "node 1 device 0", "link 0->2", "node 2", ...
+    value: float | None
+    expected: float | None  # the peers' median (or the baseline's value, or the limit)
+    why: str
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def _others_median(values: dict, key) -> float | None:
+    others = [v for k, v in values.items() if k != key]
+    return statistics.median(others) if others else None
+
+
+def low_outliers(values: dict[str, float], ratio: float, check: str, unit: str) -> list[Finding]:
+    """The parts whose value is under ``ratio`` times the median of the others (at least two parts)."""
+    found = []
+    for part, value in values.items():
+        median = _others_median(values, part)
+        if median is not None and value < ratio * median:
+            found.append(Finding(check, part, value, median, f"{value:.3g} {unit}, under {ratio:.0%} of the "
+                                 f"others' median ({median:.3g} {unit})"))
+    return found
+
+
+def high_outliers(values: dict[str, float], factor: float, floor: float, check: str, unit: str) -> list[Finding]:
+    """The parts whose value is over ``factor`` times the median of the others, plus ``floor``."""
+    found = []
+    for part, value in values.items():
+        median = _others_median(values, part)
+        if median is not None and value > factor * median + floor:
+            found.append(Finding(check, part, value, median, f"{value:.3g} {unit}, over {factor:g}x the others' "
+                                 f"median ({median:.3g} {unit}) + {floor:g}"))
+    return found
+
+
+def compute_findings(rates: dict[str, float], drops: dict[str, float]) -> list[Finding]:
+    """Devices: ``rates`` (GFLOP/s sustained) and ``drops`` (the burn-in's last third against its first)."""
+    found = low_outliers(rates, COMPUTE_RATIO, "compute", "GFLOP/s")
+    for part, drop in drops.items():
+        median = _others_median(drops, part)
+        if median is not None and drop > median + COMPUTE_DROP:
+            found.append(Finding("compute drop", part, drop, median, f"its rate fell by {drop:.0%} during the "
+                                 f"burn-in, the others' by {median:.0%} (median): throttling under load"))
+    return found
+
+
+def link_findings(bandwidth: dict[tuple[int, int], float], latency: dict[tuple[int, int], float],
+                  node_of: dict[int, int]) -> list[Finding]:
+    """Links between ranks: ``bandwidth`` (GB/s, per direction src -> dst) and ``latency`` (round trip, ms, per
+    pair), each held against the other links of its kind (within a node, or between nodes)."""
+    found = []
+    for within in (True, False):
+        def kind(pair: tuple[int, int], within: bool = within) -> bool:
+            return (node_of[pair[0]] == node_of[pair[1]]) == within
+
+        found += low_outliers({f"link {a}->{b}": v for (a, b), v in bandwidth.items() if kind((a, b))},
+                              BANDWIDTH_RATIO, "bandwidth", "GB/s")
+        found += high_outliers({f"link {a}<->{b}": v for (a, b), v in latency.items() if kind((a, b))},
+                               LATENCY_FACTOR, LATENCY_FLOOR_MS, "latency", "ms")
+    return found
+
+
+def culprit_nodes(findings: list[Finding], node_of: dict[int, int], nodes: int) -> dict[int, str]:
+    """The nodes a finding blames, each with why. A link finding blames the node at one end of every bad link
+    when there is one (its port, cable or NIC), else both ends of each."""
+    blamed: dict[int, str] = {}
+    links = []
+    for f in findings:
+        if f.part.startswith("link "):
+            ends = f.part[len("link "):].replace("<->", "->").split("->")
+            links.append((f, {node_of[int(e)] for e in ends}))
+        elif f.part.startswith("node "):
+            blamed.setdefault(int(f.part.split()[1]), f"{f.check}: {f.why}")
+    if links:
+        common = set.intersection(*(ends for _, ends in links))
+        for f, ends in links:
+            for node in (common if len(common) == 1 and nodes > 2 else ends):
+                blamed.setdefault(node, f"{f.check} of {f.part}: {f.why}")
+    return blamed
+
+
+def baseline_findings(now: dict[str, float], before: dict[str, float],
+                      higher_is_better: dict[str, bool]) -> list[Finding]:
+    """Parts worse than in the baseline run by more than :data:`BASELINE_RATIO` (keys: ``check|part``)."""
+    found = []
+    for key, value in now.items():
+        old = before.get(key)
+        if old is None or not old:
+            continue
+        check, part = key.split("|", 1)
+        worse = value < BASELINE_RATIO * old if higher_is_better[check] else value * BASELINE_RATIO > old
+        if worse:
+            found.append(Finding("baseline", part, value, old, f"{check} {value:.3g}, against {old:.3g} in the "
+                                 "baseline run"))
+    return found
