@@ -95,8 +95,10 @@ def main(argv: list[str] | None = None) -> int:
 
         options = from_flags(ns, AuditOptions)
         try:
-            if ns.local and options.nnodes != 1:
-                raise ValueError("--local audits this machine alone: leave out --nnodes")
+            if ns.local:
+                if (options.nnodes, options.node_rank) != (1, 0):
+                    raise ValueError("--local audits this machine alone: leave out --nnodes and --node-rank")
+                options.rdzv_endpoint = "127.0.0.1:0"
             options.validate()
         except ValueError as exc:
             parser.error(str(exc))

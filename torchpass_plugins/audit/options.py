@@ -28,6 +28,8 @@ class AuditOptions:
     message_mb: int = setting(64, "MB sent each way per link, and all-reduced", "--message-mb")
     memory_mb: int = setting(512, "MB copied for the host memory bandwidth", "--memory-mb")
     matmul_size: int = setting(0, "matmul size of the burn-in; 0: 4096 on a GPU, 256 on CPU", "--matmul-size")
+    tolerance: float = setting(1.0, "loosen every limit by this factor (ratios divided, margins multiplied): 2 on a "
+                                    "shared or busy machine", "--tolerance")
     drill: bool = setting(True, "run the live drill on node 0 (--no-drill: do not)", "--no-drill")
     exclude_bad: bool = setting(False, "print the hostnames of the nodes no finding blames, comma-separated",
                                 "--exclude-bad")
@@ -37,8 +39,8 @@ class AuditOptions:
             raise ValueError(f"--node-rank {self.node_rank} is not in 0..{self.nnodes - 1}")
         if self.nnodes > 1 and self.rdzv_endpoint.endswith(":0"):
             raise ValueError("several nodes need a fixed --rdzv-endpoint HOST:PORT that every node reaches")
-        if self.duration <= 0 or self.message_mb <= 0 or self.memory_mb <= 0:
-            raise ValueError("--duration, --message-mb and --memory-mb must be positive")
+        if self.duration <= 0 or self.message_mb <= 0 or self.memory_mb <= 0 or self.tolerance < 1:
+            raise ValueError("--duration, --message-mb and --memory-mb must be positive, --tolerance at least 1")
         if self.baseline is not None and not Path(self.baseline).is_file():
             raise ValueError(f"--baseline {self.baseline}: no such file (an earlier run's audit.json)")
 

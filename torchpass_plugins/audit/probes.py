@@ -10,11 +10,14 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 _WINDOW_S = 0.25  # the burn-in's rate is measured over windows this long
+_APART_S = 0.05  # between repeats of a measurement (the best counts): a moment the host was busy spoils one
 
 
 def pair_rounds(world: int) -> list[list[tuple[int, int]]]:
@@ -34,12 +37,14 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def burn_in(device: torch.device, seconds: float, size: int) -> tuple[float, float]:
-    """Matmuls of ``size`` x ``size`` for ``seconds``: the sustained rate (GFLOP/s, the median window) and its
-    drop, the last third of the windows against the first (0 when it did not fall)."""
+def burn_in(device: torch.device, seconds: float, size: int,
+            at_the_end: Callable[[], Any]) -> tuple[float, float, Any]:
+    """Matmuls of ``size`` x ``size`` for ``seconds``: the sustained rate (GFLOP/s, the median window), its
+    drop (the last third of the windows against the first, 0 when it did not fall), and what ``at_the_end``
+    returned, called during the last window, under load."""
     a = torch.randn(size, size, device=device)
     b = torch.randn(size, size, device=device)
-    rates, end = [], time.perf_counter() + seconds
+    rates, end, seen = [], time.perf_counter() + seconds, None
     while time.perf_counter() < end:
         count, start = 0, time.perf_counter()
         while time.perf_counter() - start < _WINDOW_S:
@@ -47,16 +52,19 @@ def burn_in(device: torch.device, seconds: float, size: int) -> tuple[float, flo
             count += 1
             if device.type == "cuda" and count % 16 == 0:
                 _sync(device)
+        if seen is None and end - time.perf_counter() < _WINDOW_S:
+            seen = (at_the_end(),)  # (the queued matmuls keep the device busy meanwhile)
         _sync(device)
         rates.append(2 * size ** 3 * count / (time.perf_counter() - start) / 1e9)
     rates = rates[1:] or rates  # the first window warms up (allocations, caches)
     third = max(1, len(rates) // 3)  # medians: a window the host spent elsewhere is not a trend
     first, last = statistics.median(rates[:third]), statistics.median(rates[-third:])
-    return statistics.median(rates), max(0.0, 1 - last / first)
+    return statistics.median(rates), max(0.0, 1 - last / first), (seen or (at_the_end(),))[0]
 
 
 def memory_bandwidth(megabytes: int) -> float:
-    """The host's copy bandwidth (GB/s, read and write counted): the best of five copies of ``megabytes``."""
+    """The host's copy bandwidth (GB/s, read and write counted): the best of five copies of ``megabytes``,
+    apart in time."""
     src = torch.ones(megabytes << 18)  # float32: 4 bytes each
     dst = torch.empty_like(src)
     best = float("inf")
@@ -64,16 +72,17 @@ def memory_bandwidth(megabytes: int) -> float:
         start = time.perf_counter()
         dst.copy_(src)
         best = min(best, time.perf_counter() - start)
+        time.sleep(_APART_S)
     return 2 * src.numel() * 4 / best / 1e9
 
 
-def exchange(rank: int, peer: int, device: torch.device, nbytes: int, pings: int = 20,
+def exchange(rank: int, peer: int, nbytes: int, pings: int = 20,
              repeats: int = 3) -> tuple[float, float]:
     """With ``peer``: the round trip of a one-element message (ms, the median of ``pings``), and the bandwidth
     from ``peer`` to this rank (GB/s, the best of ``repeats`` transfers of ``nbytes``). Each direction is
     measured alone (a link's acknowledgements ride the other direction: a slow inbound link would slow the
     outbound transfer too). A degraded link is never fast; a healthy one is, at least once."""
-    one = torch.zeros(1, device=device)
+    one = torch.zeros(1)
     trips = []
     for _ in range(pings):
         start = time.perf_counter()
@@ -84,7 +93,7 @@ def exchange(rank: int, peer: int, device: torch.device, nbytes: int, pings: int
             dist.recv(one, peer)
             dist.send(one, peer)
         trips.append((time.perf_counter() - start) * 1e3)
-    data = torch.zeros(nbytes // 4, device=device)
+    data = torch.zeros(nbytes // 4)
     best = float("inf")
     for sender in sorted((rank, peer)):
         for _ in range(repeats):
@@ -95,20 +104,19 @@ def exchange(rank: int, peer: int, device: torch.device, nbytes: int, pings: int
                 start = time.perf_counter()
                 dist.send(one, peer)
                 dist.recv(data, peer)
-                _sync(device)
                 best = min(best, time.perf_counter() - start)
+                time.sleep(_APART_S)
     return statistics.median(trips), nbytes / best / 1e9
 
 
-def allreduce_bus_bandwidth(device: torch.device, nbytes: int, world: int, repeats: int = 5) -> float:
+def allreduce_bus_bandwidth(nbytes: int, world: int, repeats: int = 5) -> float:
     """The all-reduce bus bandwidth of the whole set (GB/s): size x 2(n-1)/n over the time, the best of
     ``repeats`` (the figure NCCL's tests print, comparable across set sizes)."""
-    data = torch.ones(nbytes // 4, device=device)
+    data = torch.ones(nbytes // 4)
     best = float("inf")
     for _ in range(repeats):
         dist.barrier()
         start = time.perf_counter()
         dist.all_reduce(data)
-        _sync(device)
         best = min(best, time.perf_counter() - start)
     return nbytes * 2 * (world - 1) / world / best / 1e9

@@ -10,6 +10,7 @@ reading. Each finding names the part, the value, the value it was held against, 
 from __future__ import annotations
 
 import statistics
+from collections import Counter
 from dataclasses import asdict, dataclass
 
 # A device's sustained matmul rate under 60% of its peers' median, or one whose rate fell during the burn-in by
@@ -34,8 +35,10 @@ class Finding:
 
 
 def _others_median(values: dict, key) -> float | None:
+    """The median of the other parts, where there are at least two: against one other, no part can be told
+    the odd one out (two devices that differ: which is slow?)."""
     others = [v for k, v in values.items() if k != key]
-    return statistics.median(others) if others else None
+    return statistics.median(others) if len(others) >= 2 else None
 
 
 def low_outliers(values: dict[str, float], ratio: float, check: str, unit: str) -> list[Finding]:
@@ -60,19 +63,20 @@ def high_outliers(values: dict[str, float], factor: float, floor: float, check: 
     return found
 
 
-def compute_findings(rates: dict[str, float], drops: dict[str, float]) -> list[Finding]:
-    """Devices: ``rates`` (GFLOP/s sustained) and ``drops`` (the burn-in's last third against its first)."""
-    found = low_outliers(rates, COMPUTE_RATIO, "compute", "GFLOP/s")
+def compute_findings(rates: dict[str, float], drops: dict[str, float], tolerance: float = 1.0) -> list[Finding]:
+    """Devices: ``rates`` (GFLOP/s sustained) and ``drops`` (the burn-in's last third against its first).
+    ``tolerance`` loosens every limit (ratios divided by it, margins multiplied): a shared, busy machine."""
+    found = low_outliers(rates, COMPUTE_RATIO / tolerance, "compute", "GFLOP/s")
     for part, drop in drops.items():
         median = _others_median(drops, part)
-        if median is not None and drop > median + COMPUTE_DROP:
+        if median is not None and drop > median + COMPUTE_DROP * tolerance:
             found.append(Finding("compute drop", part, drop, median, f"its rate fell by {drop:.0%} during the "
                                  f"burn-in, the others' by {median:.0%} (median): throttling under load"))
     return found
 
 
 def link_findings(bandwidth: dict[tuple[int, int], float], latency: dict[tuple[int, int], float],
-                  node_of: dict[int, int]) -> list[Finding]:
+                  node_of: dict[int, int], tolerance: float = 1.0) -> list[Finding]:
     """Links between ranks: ``bandwidth`` (GB/s, per direction src -> dst) and ``latency`` (round trip, ms, per
     pair), each held against the other links of its kind (within a node, or between nodes)."""
     found = []
@@ -81,41 +85,47 @@ def link_findings(bandwidth: dict[tuple[int, int], float], latency: dict[tuple[i
             return (node_of[pair[0]] == node_of[pair[1]]) == within
 
         found += low_outliers({f"link {a}->{b}": v for (a, b), v in bandwidth.items() if kind((a, b))},
-                              BANDWIDTH_RATIO, "bandwidth", "GB/s")
+                              BANDWIDTH_RATIO / tolerance, "bandwidth", "GB/s")
         found += high_outliers({f"link {a}<->{b}": v for (a, b), v in latency.items() if kind((a, b))},
-                               LATENCY_FACTOR, LATENCY_FLOOR_MS, "latency", "ms")
+                               LATENCY_FACTOR * tolerance, LATENCY_FLOOR_MS * tolerance, "latency", "ms")
     return found
 
 
 def culprit_nodes(findings: list[Finding], node_of: dict[int, int], nodes: int) -> dict[int, str]:
-    """The nodes a finding blames, each with why. A link finding blames the node at one end of every bad link
-    when there is one (its port, cable or NIC), else both ends of each."""
+    """The nodes the findings blame, each with why. A device, a node's memory, a health reading or a worker
+    blames its node. A slow link blames whichever of its two nodes has more slow links (its NIC, cable or
+    switch port; with two nodes, or as many on each side, both)."""
     blamed: dict[int, str] = {}
     links = []
     for f in findings:
         if f.part.startswith("link "):
-            ends = f.part[len("link "):].replace("<->", "->").split("->")
-            links.append((f, {node_of[int(e)] for e in ends}))
+            a, b = (node_of[int(e)] for e in f.part[len("link "):].replace("<->", "->").split("->"))
+            links.append((f, a, b))
         elif f.part.startswith("node "):
             blamed.setdefault(int(f.part.split()[1]), f"{f.check}: {f.why}")
-    if links:
-        common = set.intersection(*(ends for _, ends in links))
-        for f, ends in links:
-            for node in (common if len(common) == 1 and nodes > 2 else ends):
-                blamed.setdefault(node, f"{f.check} of {f.part}: {f.why}")
+    bad = Counter(node for _, a, b in links for node in {a, b})
+    for f, a, b in links:
+        ends = [a, b] if bad[a] == bad[b] or nodes <= 2 else [a if bad[a] > bad[b] else b]
+        for node in ends:
+            blamed.setdefault(node, f"{f.check} of {f.part}: {f.why}")
     return blamed
 
 
-def baseline_findings(now: dict[str, float], before: dict[str, float],
-                      higher_is_better: dict[str, bool]) -> list[Finding]:
-    """Parts worse than in the baseline run by more than :data:`BASELINE_RATIO` (keys: ``check|part``)."""
+# Whether more is better, per check: a baseline is worse when its figure drops (or, for latency, rises).
+HIGHER_IS_BETTER = {"compute": True, "memory": True, "bandwidth": True, "latency": False, "allreduce": True}
+
+
+def baseline_findings(now: dict[str, float], before: dict[str, float], tolerance: float = 1.0) -> list[Finding]:
+    """Parts worse than in the baseline run: under :data:`BASELINE_RATIO` of its figure, or for latency over
+    its figure divided by that ratio plus :data:`LATENCY_FLOOR_MS` (keys: ``check|part``)."""
     found = []
     for key, value in now.items():
         old = before.get(key)
-        if old is None or not old:
+        if not old:
             continue
         check, part = key.split("|", 1)
-        worse = value < BASELINE_RATIO * old if higher_is_better[check] else value * BASELINE_RATIO > old
+        ratio = BASELINE_RATIO / tolerance
+        worse = value < ratio * old if HIGHER_IS_BETTER[check] else value > old / ratio + LATENCY_FLOOR_MS * tolerance
         if worse:
             found.append(Finding("baseline", part, value, old, f"{check} {value:.3g}, against {old:.3g} in the "
                                  "baseline run"))

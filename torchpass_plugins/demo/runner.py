@@ -105,18 +105,18 @@ class DrillResult:
     run_dir: Path  # the failing job's
     job_failed: bool  # a job exited non-zero
     found: list[str]  # the state differences, by rank
-    once: bool  # every optimizer step applied exactly once on every rank
+    applied_once: bool  # every optimizer step applied exactly once on every rank
     recomputed: int  # the most steps a rank applied more than once
     in_flight: int  # the step in flight at the kill
     regain_s: float
 
     @property
-    def identical(self) -> bool:
+    def bit_exact(self) -> bool:
         return not self.job_failed and not self.found
 
     @property
     def passed(self) -> bool:
-        return self.identical and self.once
+        return self.bit_exact and self.applied_once
 
 
 def drill(root: Path, steps: int, console: Console | None = None) -> DrillResult:
@@ -156,8 +156,9 @@ def run_demo(steps: int = 60, run_dir: str = "torchpass_runs/demo") -> int:
     table.add_column("value")
     table.add_row("every rank's full state bit-identical to the failure-free run (parameters, buffers, optimizer, "
                   "schedulers, loop progress, metrics, RNG)",
-                  "[green]yes" if result.identical else f"[red]no: {result.found[0]}")
-    table.add_row("every optimizer step applied exactly once on every rank", "[green]yes" if result.once else "[red]no")
+                  "[green]yes" if result.bit_exact else f"[red]no: {result.found[0]}")
+    table.add_row("every optimizer step applied exactly once on every rank",
+                  "[green]yes" if result.applied_once else "[red]no")
     table.add_row("steps recomputed (applied again by a rank)", str(result.recomputed))
     table.add_row(f"regain time (kill -> every rank past step {result.in_flight})", f"{result.regain_s:.2f} s")
     table.add_row("event log", str(result.run_dir / "events.jsonl"))
