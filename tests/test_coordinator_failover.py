@@ -155,6 +155,7 @@ def test_losing_the_coordinating_node_during_a_recovery_moves_the_coordinator_an
             job.wait_until(lambda: job.events("failure_detected"), "rank 2's loss to be handled")
             assert [e["node"] for e in job.events("coordinator_elected")] == [0]
             job.kill_node(0)
+            job.full_speed()
             codes = job.wait()
         finally:
             job.kill()

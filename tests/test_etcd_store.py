@@ -134,6 +134,7 @@ def test_a_job_on_etcd_replaces_a_killed_rank_bit_exact_shrugs_off_a_lost_member
             etcd.stop_member(1)  # no quorum
             time.sleep(6.0)
             etcd.start_member(1)
+            job.full_speed()
             codes = job.wait()
         finally:
             job.kill()

@@ -31,6 +31,7 @@ def test_sigkill_of_a_nonzero_rank_from_outside(tmp_path, reference):
     try:
         job.wait_until(lambda: job.events("landing_prepared"), "the spare to prepare its landing")
         os.kill(job.pid_of_rank(1), signal.SIGKILL)
+        job.full_speed()
         codes = job.wait()
     finally:
         job.kill()
@@ -108,6 +109,7 @@ def test_second_failure_after_the_pool_was_refilled(tmp_path, reference):
         job.wait_until(lambda: job.events("spare_joined"), "the refilled spare to join")
         assert len(job.applied(2)) < STEPS, "training ended before the pool was refilled"
         os.kill(job.pid_of_rank(2), signal.SIGKILL)
+        job.full_speed()
         codes = job.wait()
     finally:
         job.kill()
@@ -152,6 +154,7 @@ def test_a_lost_node_with_its_agent_is_replaced_by_a_spare_on_another_node(tmp_p
     try:
         job.wait_until(lambda: len(job.applied(1)) >= 5, "rank 1 to train")
         job.kill_node(1)
+        job.full_speed()
         codes = job.wait()
     finally:
         job.kill()
@@ -174,6 +177,7 @@ def test_a_lost_node_started_again_refills_the_spare_pool_and_a_later_failure_us
         job.wait_until(lambda: job.events("spare_joined"), "node 1's new worker to join the spare pool")
         assert len(job.applied(0)) < STEPS - 2, "too late in training for a second failure"
         os.kill(job.pid_of_rank(0), signal.SIGKILL)
+        job.full_speed()
         codes = job.wait()
     finally:
         job.kill()

@@ -194,6 +194,7 @@ def test_a_link_cut_for_good_is_routed_around_without_a_spare_and_the_job_is_bit
         try:
             job.wait_until(lambda: len(job.applied(1)) >= 5, "rank 1 to train")
             hosts.link(1, up=False, path=1)  # host 1's eth1: the path every group is on
+            job.full_speed()  # (the next collective waits on the cut link all the same)
             codes = job.wait()
         finally:
             job.kill()
@@ -216,6 +217,7 @@ def test_a_three_second_flap_is_ridden_out_on_the_same_path_and_the_job_is_bit_e
             hosts.link(1, up=False, path=1)
             time.sleep(3.0)
             hosts.link(1, up=True, path=1)
+            job.full_speed()
             codes = job.wait()
         finally:
             job.kill()
@@ -240,6 +242,7 @@ def test_a_host_cut_off_on_every_path_is_that_hosts_loss_and_a_spare_elsewhere_t
             job.wait_until(lambda: len(job.applied(1)) >= 5, "rank 1 to train")
             hosts.link(1, up=False, path=1)
             hosts.link(1, up=False, path=0)  # the store's path too: host 1 is gone for the others
+            job.full_speed()
             codes = [job.agents[node].wait(timeout=150) for node in (0, 2)]
             job.kill_node(1)  # still running, cut off
         finally:
@@ -257,6 +260,7 @@ def test_a_slow_link_is_reported_as_degraded_and_the_job_goes_on_bit_exact(tmp_p
         # Host 1's preferred path at 256 kbit/s: the gradients queue on it, and so do the probes.
         hosts.qdisc(1, "tbf", "rate", "256kbit", "burst", "2kb", "latency", "2s", path=1)
         job = _job_on_two_paths(tmp_path, hosts, grace_s=2.0)
+        job.full_speed()  # the slow link sets the pace
         try:
             codes = job.wait()
         finally:

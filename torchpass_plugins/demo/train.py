@@ -65,6 +65,7 @@ class Classifier(L.LightningModule):
         self.train_acc = MulticlassAccuracy(num_classes=classes)
         self.out_dir: Path | None = None
         self.sleep_per_step = 0.0
+        self.sleep_until: Path | None = None  # once this file exists, no more sleeping
 
     def training_step(self, batch, batch_idx):
         x, y = batch
@@ -80,7 +81,7 @@ class Classifier(L.LightningModule):
         self.log("val_loss", nn.functional.cross_entropy(self.net(x), y), sync_dist=True)
 
     def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
-        if self.sleep_per_step:
+        if self.sleep_per_step and not (self.sleep_until is not None and self.sleep_until.exists()):
             time.sleep(self.sleep_per_step)  # stands in for a bigger model, so failures land mid-run
 
     def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure=None) -> None:
@@ -164,6 +165,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--progress", action="store_true")
     p.add_argument("--sleep-per-step", type=float, default=0.0)
+    p.add_argument("--sleep-until", type=Path, default=None,
+                   help="stop sleeping per step once this file exists (a test's faults are done)")
     p.add_argument("--val-every", type=int, default=0, help="validate every N training batches (0: never)")
     p.add_argument("--bucket-cap-mb", type=float, default=None, help="gradient bucket size (several buckets)")
     p.add_argument("--collective-timeout", type=float, default=None,
@@ -191,7 +194,7 @@ def main(argv: list[str] | None = None) -> None:
 
     L.seed_everything(7)
     model = Classifier(hidden=args.hidden)
-    model.sleep_per_step = args.sleep_per_step
+    model.sleep_per_step, model.sleep_until = args.sleep_per_step, args.sleep_until
     if args.freeze_first:
         model.net[0].requires_grad_(False)
     if args.out is not None:

@@ -99,6 +99,15 @@ class Job:
     def final(self) -> dict:
         return torch.load(self.out / "final.pt", weights_only=True)
 
+    @property
+    def full_speed_file(self) -> Path:
+        return self.run_dir / "full-speed"
+
+    def full_speed(self) -> None:
+        """The faults are done: the demo's workers stop sleeping per step (``--sleep-per-step`` keeps a run long
+        enough for faults to land mid-run; the rest need not wait)."""
+        self.full_speed_file.touch()
+
     def state(self, rank: int) -> dict:
         """Logical rank ``rank``'s full state at the end of training (the demo's ``state_rank{r}.pt``)."""
         return torch.load(self.out / f"state_rank{rank}.pt", weights_only=True)
@@ -219,6 +228,8 @@ def start(
     env = {**os.environ, **JOB_ENVIRONMENT, "TORCHPASS_FAULTS": faults, "TORCHPASS_JOIN_TOKEN": "test-token"}
     env.pop(WORKER_VARIABLE, None)
     job = Job(run_dir)
+    if script == TRAIN and "--sleep-per-step" in train_args:
+        train_args = (*train_args, "--sleep-until", str(job.full_speed_file))
     endpoint = f"{hosts.address(0) if hosts else '127.0.0.1'}:{free_port() if nnodes > 1 else 0}"
     for node in range(nnodes):
         log = run_dir / f"agent{node}.log"
