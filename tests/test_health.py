@@ -38,6 +38,7 @@ class _FakeNvml:
         pass
 
     NVML_TEMPERATURE_GPU = 0
+    NVML_CLOCK_SM = 1
     NVML_MEMORY_ERROR_TYPE_UNCORRECTED = 1
     NVML_VOLATILE_ECC = 0
     NVML_AGGREGATE_ECC = 1
@@ -85,6 +86,9 @@ class _FakeNvml:
     def nvmlDeviceGetCurrentClocksEventReasons(self, h):
         return self._get(h, "throttle")
 
+    def nvmlDeviceGetClockInfo(self, h, clock):
+        return self._get(h, "sm_clock")
+
     def nvmlDeviceGetPowerUsage(self, h):
         return self._get(h, "power_mw")
 
@@ -110,14 +114,14 @@ class _FakeNvml:
 def test_nvml_readings_with_unsupported_values_and_xid_events():
     nvml = _FakeNvml([
         {"temp": 61, "ecc_volatile": 0, "ecc_aggregate": 3, "pages_pending": 0, "remap": (0, 0, 0, 0),
-         "throttle": 0, "power_mw": 250_000, "recovery": 0},
+         "throttle": 0, "power_mw": 250_000, "recovery": 0, "sm_clock": 1980},
         {"temp": 95},  # a GPU (or driver) that reports nothing but its temperature
     ])
     nvml.events = [SimpleNamespace(device=1, eventData=79)]
     source = NvmlHealthSource(nvml)
     gpu0, gpu1 = source.read([0, 1])
     assert (gpu0.temperature_c, gpu0.ecc_uncorrected_aggregate, gpu0.power_w, gpu0.recovery_action) == (61, 3, 250.0, 0)
-    assert gpu0.remapped_rows_pending is False and gpu0.xids == ()
+    assert gpu0.remapped_rows_pending is False and gpu0.xids == () and gpu0.sm_clock_mhz == 1980
     assert gpu1 == DeviceHealth(1, temperature_c=95, xids=(79,))  # NotSupported reads as unknown
     thresholds = HealthThresholds()
     assert thresholds.classify(gpu0) == []

@@ -46,6 +46,7 @@ class DeviceHealth:
     remapped_rows_pending: bool | None = None
     xids: tuple[int, ...] = ()  # XID events since the previous reading
     throttle_reasons: int | None = None  # NVML clocks-event bitmask
+    sm_clock_mhz: int | None = None  # the SM clock now (under load: below its maximum when throttled)
     power_w: float | None = None
     recovery_action: int | None = None  # NVML's GPU recovery action (0: none needed)
 
@@ -148,6 +149,7 @@ class NvmlHealthSource(HealthSource):
                 remapped_rows_pending=None if remap is None else bool(remap[2]),
                 xids=tuple(xids.get(device, ())),
                 throttle_reasons=self._value(nvml.nvmlDeviceGetCurrentClocksEventReasons, h),
+                sm_clock_mhz=self._value(nvml.nvmlDeviceGetClockInfo, h, nvml.NVML_CLOCK_SM),
                 power_w=None if power is None else power / 1000.0,
                 recovery_action=self._recovery_action(h),
             ))

@@ -379,11 +379,27 @@ def _forget_sockets_in_child() -> None:
     """A process forked from a publisher's (a DataLoader worker) closes its copies of the publisher's
     sockets. Else, when the publisher's process dies, its orphaned workers keep the port (a successor
     cannot bind it) and the connections (a subscriber is not told its version was cut off) until they
-    notice, seconds later. Closed, not shut down: the publisher's own copies are untouched."""
+    notice, seconds later. Every socket on a publisher's port is closed, not only those it registered: a
+    connection accepted just before the fork may not be registered yet. Closed, not shut down: the
+    publisher's own copies are untouched."""
+    ports = {int(p.endpoint.rpartition(":")[2]) for p in list(_publishers)}
     for publisher in list(_publishers):
         publisher._closed = True
-        for sock in ([publisher._listener] if publisher._listener is not None else []) + list(publisher._served):
+    if not ports:
+        return
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            sock = socket.socket(fileno=int(name))
+        except (OSError, ValueError):  # not a socket (or already gone)
+            continue
+        try:
+            mine = sock.family in (socket.AF_INET, socket.AF_INET6) and sock.getsockname()[1] in ports
+        except OSError:
+            mine = False
+        if mine:
             sock.close()
+        else:
+            sock.detach()
 
 
 os.register_at_fork(after_in_child=_forget_sockets_in_child)
