@@ -44,22 +44,22 @@ def burn_in(device: torch.device, seconds: float, size: int,
     returned, called during the last window, under load."""
     a = torch.randn(size, size, device=device)
     b = torch.randn(size, size, device=device)
-    rates, end, seen = [], time.perf_counter() + seconds, None
-    while time.perf_counter() < end:
+    rates, end, read = [], time.perf_counter() + seconds, False
+    while not read:
         count, start = 0, time.perf_counter()
         while time.perf_counter() - start < _WINDOW_S:
             torch.mm(a, b)
             count += 1
             if device.type == "cuda" and count % 16 == 0:
                 _sync(device)
-        if seen is None and end - time.perf_counter() < _WINDOW_S:
-            seen = (at_the_end(),)  # (the queued matmuls keep the device busy meanwhile)
+        if end - time.perf_counter() < _WINDOW_S:  # the last window
+            reading, read = at_the_end(), True  # (the queued matmuls keep the device busy meanwhile)
         _sync(device)
         rates.append(2 * size ** 3 * count / (time.perf_counter() - start) / 1e9)
     rates = rates[1:] or rates  # the first window warms up (allocations, caches)
     third = max(1, len(rates) // 3)  # medians: a window the host spent elsewhere is not a trend
     first, last = statistics.median(rates[:third]), statistics.median(rates[-third:])
-    return statistics.median(rates), max(0.0, 1 - last / first), (seen or (at_the_end(),))[0]
+    return statistics.median(rates), max(0.0, 1 - last / first), reading
 
 
 def memory_bandwidth(megabytes: int) -> float:

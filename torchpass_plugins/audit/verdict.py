@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import statistics
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 # A device's sustained matmul rate under 60% of its peers' median, or one whose rate fell during the burn-in by
@@ -41,38 +42,36 @@ def _others_median(values: dict, key) -> float | None:
     return statistics.median(others) if len(others) >= 2 else None
 
 
-def low_outliers(values: dict[str, float], ratio: float, check: str, unit: str) -> list[Finding]:
-    """The parts whose value is under ``ratio`` times the median of the others (at least two parts)."""
+def _against_peers(values: dict[str, float], fails: Callable[[float, float], bool], check: str,
+                   why: Callable[[float, float], str]) -> list[Finding]:
+    """The parts whose value ``fails`` against the median of the others (where there are two or more)."""
     found = []
     for part, value in values.items():
         median = _others_median(values, part)
-        if median is not None and value < ratio * median:
-            found.append(Finding(check, part, value, median, f"{value:.3g} {unit}, under {ratio:.0%} of the "
-                                 f"others' median ({median:.3g} {unit})"))
+        if median is not None and fails(value, median):
+            found.append(Finding(check, part, value, median, why(value, median)))
     return found
+
+
+def low_outliers(values: dict[str, float], ratio: float, check: str, unit: str) -> list[Finding]:
+    """The parts whose value is under ``ratio`` times the median of the others."""
+    return _against_peers(values, lambda v, m: v < ratio * m, check, lambda v, m: (
+        f"{v:.3g} {unit}, under {ratio:.0%} of the others' median ({m:.3g} {unit})"))
 
 
 def high_outliers(values: dict[str, float], factor: float, floor: float, check: str, unit: str) -> list[Finding]:
     """The parts whose value is over ``factor`` times the median of the others, plus ``floor``."""
-    found = []
-    for part, value in values.items():
-        median = _others_median(values, part)
-        if median is not None and value > factor * median + floor:
-            found.append(Finding(check, part, value, median, f"{value:.3g} {unit}, over {factor:g}x the others' "
-                                 f"median ({median:.3g} {unit}) + {floor:g}"))
-    return found
+    return _against_peers(values, lambda v, m: v > factor * m + floor, check, lambda v, m: (
+        f"{v:.3g} {unit}, over {factor:g}x the others' median ({m:.3g} {unit}) + {floor:g}"))
 
 
 def compute_findings(rates: dict[str, float], drops: dict[str, float], tolerance: float = 1.0) -> list[Finding]:
     """Devices: ``rates`` (GFLOP/s sustained) and ``drops`` (the burn-in's last third against its first).
     ``tolerance`` loosens every limit (ratios divided by it, margins multiplied): a shared, busy machine."""
-    found = low_outliers(rates, COMPUTE_RATIO / tolerance, "compute", "GFLOP/s")
-    for part, drop in drops.items():
-        median = _others_median(drops, part)
-        if median is not None and drop > median + COMPUTE_DROP * tolerance:
-            found.append(Finding("compute drop", part, drop, median, f"its rate fell by {drop:.0%} during the "
-                                 f"burn-in, the others' by {median:.0%} (median): throttling under load"))
-    return found
+    points = COMPUTE_DROP * tolerance
+    return low_outliers(rates, COMPUTE_RATIO / tolerance, "compute", "GFLOP/s") + _against_peers(
+        drops, lambda d, m: d > m + points, "compute drop", lambda d, m: (
+            f"its rate fell by {d:.0%} during the burn-in, the others' by {m:.0%} (median): throttling under load"))
 
 
 def link_findings(bandwidth: dict[tuple[int, int], float], latency: dict[tuple[int, int], float],

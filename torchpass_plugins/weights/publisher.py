@@ -382,9 +382,10 @@ def _forget_sockets_in_child() -> None:
     notice, seconds later. Every socket on a publisher's port is closed, not only those it registered: a
     connection accepted just before the fork may not be registered yet. Closed, not shut down: the
     publisher's own copies are untouched."""
-    ports = {int(p.endpoint.rpartition(":")[2]) for p in list(_publishers)}
+    ports = set()
     for publisher in list(_publishers):
         publisher._closed = True
+        ports.add(int(publisher.endpoint.rpartition(":")[2]))
     if not ports:
         return
     for name in os.listdir("/proc/self/fd"):
