@@ -146,3 +146,15 @@ def test_an_error_every_spare_repeats_stops_the_job_instead_of_looping(tmp_path)
     assert "rank 1 breaks at step 3" in job.output()
     assert len(job.events("failure_detected")) == 2  # the first rank 1, then its first spare: not a loop
     assert job.leftovers() == []
+
+
+@pytest.mark.timeout(240)
+def test_a_script_that_fails_before_joining_stops_the_job_instead_of_being_started_again_and_again(tmp_path):
+    script = tmp_path / "broken.py"
+    script.write_text("import torch\nraise RuntimeError('the dataset is not where the script looks')\n")
+    job, codes = run(tmp_path, nproc=2, spares=1, script=script)
+    assert codes == [1], job.output()[-3000:]
+    assert "RuntimeError: the dataset is not where the script looks" in job.output()
+    assert "exited with code 1 before the job started: its script failed before joining it" in job.output()
+    assert len(job.events("worker_started")) <= 3  # not started again and again
+    assert job.leftovers() == []

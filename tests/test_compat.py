@@ -315,3 +315,28 @@ def test_devices_auto_that_cannot_split_the_active_ranks_evenly_over_the_nodes_i
     connector = types.SimpleNamespace(_devices_flag="auto", _strategy_flag="torchpass_ddp", _num_nodes_flag=2)
     with pytest.raises(ConfigError, match="cannot split the job's 5 active ranks evenly over num_nodes=2"):
         _AcceleratorConnector._set_devices_flag_if_auto_passed(connector)
+
+
+def test_every_trainer_and_accelerator_built_is_seen_before_it_initializes_anything():
+    script = ("import sys\n"
+              "from torchpass_plugins._compat.accelerate import before_accelerator\n"
+              "from torchpass_plugins._compat.lightning_trainer import rewrite_trainer_arguments\n"
+              "seen = []\n"
+              "before_accelerator(lambda: seen.append('accelerator'))\n"
+              "assert 'accelerate' not in sys.modules  # patched as it is imported\n"
+              "def rewrite(arguments):\n"
+              "    seen.append(arguments)\n"
+              "    return dict(arguments, max_steps=7), lambda trainer: seen.append(trainer.max_steps)\n"
+              "rewrite_trainer_arguments(rewrite)\n"
+              "import lightning as L\n"
+              "class Mine(L.Trainer):\n"
+              "    def __init__(self, **kwargs):\n"
+              "        super().__init__(logger=False, **kwargs)\n"
+              "Mine(accelerator='cpu', strategy='auto', enable_progress_bar=False)\n"
+              "from accelerate import Accelerator\n"
+              "Accelerator(cpu=True)\n"
+              "print(seen)\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.stdout.strip().splitlines()[-1] == (
+        "[{'logger': False, 'accelerator': 'cpu', 'strategy': 'auto', 'enable_progress_bar': False}, 7, "
+        "'accelerator']"), done.stdout + done.stderr

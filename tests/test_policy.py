@@ -62,6 +62,17 @@ def test_what_the_coordinator_does_when_a_rank_exits(code, migrating, asked, res
     assert decision.action is expected and decision.why.startswith(why)
 
 
+@pytest.mark.parametrize(("code", "started", "expected", "why"), [
+    (ExitCode.CONFIG_ERROR, True, A.ABORT, "worker w stopped on a configuration error before joining the job"),
+    (1, False, A.ABORT, "worker w exited with code 1 before the job started: its script failed before joining"),
+    (1, True, A.NOTHING, ""),  # a refilled spare: its agent's affair
+    (-9, False, A.NOTHING, ""),  # killed from outside: started again
+])
+def test_a_worker_that_fails_before_joining_stops_a_job_that_has_not_started(code, started, expected, why):
+    decision = Policy(restarts_left=3).unjoined_exited(code, "w", started=started)
+    assert decision.action is expected and decision.why.startswith(why)
+
+
 @pytest.mark.parametrize(("lost", "spares", "trained", "wait_s", "refill", "restarts", "expected"), [
     ([1], 1, False, 20.0, True, 3, A.REPLACE),
     ([0, 2], 2, False, 0.0, True, 0, A.REPLACE),

@@ -47,8 +47,10 @@ class ReplicationConfig:
 class SnapshotConfig:
     """Background job-wide snapshots, the fallback when live recovery is impossible."""
 
-    dir: Optional[str] = setting(None, "path or fsspec URL (s3://..., memory://...); None: no snapshots")
-    every_n_steps: int = setting(0, "0: never")
+    dir: Optional[str] = setting(None, "path or fsspec URL (s3://..., memory://...); None: no snapshots. Given to "
+                                       "torchpass launch, every worker's Trainer gets them, with no callback in its "
+                                       "code", "--snapshot-dir")
+    every_n_steps: int = setting(0, "a snapshot every N optimizer steps; 0: never", "--snapshot-every")
     keep: int = setting(3, "newest committed snapshots kept")
     when_busy: str = setting("skip", "the previous one is still being written", choices=("skip", "wait"))
     timeout_s: float = setting(600.0, "the longest one may take to land; past it, at the end of training, it is "
@@ -219,6 +221,10 @@ class AgentConfig:
     link_grace_s: float = setting(5.0, "with --interfaces: seconds a path may be down (a flap) before the job leaves "
                                        "it for the next", "--link-grace")
     seed: Optional[int] = setting(None, "job seed for per-step RNG (default: from PL_GLOBAL_SEED)", "--seed")
+    protect: bool = setting(False, "protect a script written without torchpass: a Lightning Trainer that asks for "
+                                   "strategy 'ddp', 'fsdp' or 'auto' runs on torchpass_ddp / torchpass_fsdp with "
+                                   "this launch's spares; what cannot be protected is refused before training",
+                            "--protect")
 
 
 # The strategy (per mode) and the callback that ``trainer_kwargs`` builds and the shipped YAML instantiates:

@@ -3,7 +3,9 @@ its loggers write (checked against lightning 2.6.6; ``tests/test_compat.py`` fai
 
 from __future__ import annotations
 
+import functools
 import json
+from collections.abc import Callable
 from typing import Any
 
 from torchpass_plugins.control.protocol import logger_version_key
@@ -53,3 +55,26 @@ def keep_logger_versions(trainer: Any, store: Any, starting: bool) -> None:
             store.set(key, json.dumps(logger.version))
         elif not starting and logger._version is None and store.check([key]):
             logger._version = json.loads(store.get(key))
+
+
+def rewrite_trainer_arguments(rewrite: Callable[[dict[str, Any]], tuple[dict[str, Any], Callable[[Any], None]]]
+                              ) -> None:
+    """Build every ``Trainer`` of this process (a script's, LightningCLI's, Hydra's ``instantiate``) with the
+    arguments ``rewrite`` returns, and hand the built Trainer to the function it returns with them.
+
+    ``Trainer.__init__`` takes keyword arguments only, and a subclass reaches it through ``super()``, so
+    wrapping it sees every Trainer as asked for, before its accelerator connector resolves the strategy."""
+    from lightning.pytorch import Trainer
+
+    lightnings = Trainer.__init__
+    if getattr(lightnings, "rewritten", False):
+        return
+
+    @functools.wraps(lightnings)
+    def __init__(self: Trainer, **arguments: Any) -> None:
+        arguments, then = rewrite(arguments)
+        lightnings(self, **arguments)
+        then(self)
+
+    __init__.rewritten = True
+    Trainer.__init__ = __init__

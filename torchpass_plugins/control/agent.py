@@ -202,6 +202,7 @@ class Agent:
             seed=self.seed, heartbeat_interval=cfg.heartbeat_interval, attempt=self.attempt,
             straggler_window=cfg.straggler_window, straggler_factor=cfg.straggler_factor,
             agent_pid=self._zygote.proc.pid if self._zygote is not None else os.getpid(), interfaces=cfg.interfaces,
+            protect=cfg.protect, spares=cfg.spares, snapshot_dir=cfg.snapshot_dir, snapshot_every=cfg.snapshot_every,
         )
         worker_env = {**os.environ, **env.to_env(), "PYTHONUNBUFFERED": "1"}
         if self._zygote is not None:

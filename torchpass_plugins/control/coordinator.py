@@ -227,7 +227,10 @@ class Coordinator:
             self.spares.remove(worker_id)
             self.events.emit("spare_lost", worker=worker_id, code=code, spares=len(self.spares))
             return
-        if worker_id not in self.ranks:
+        if worker_id not in self.ranks:  # before it joined: nothing to replace, unless no worker could start
+            decision = self.policy.unjoined_exited(code, worker_id, started=self.gen >= 0)
+            if decision.action is Action.ABORT:
+                self._stop_job(decision)
             return
         rank = self.ranks.index(worker_id)
         if rank in self._short:

@@ -46,6 +46,9 @@ class LaunchConfig:
     external_store: bool  # the store at rdzv_endpoint is someone else's (torchrun's): only connect
     interfaces: tuple[str, ...]  # the node's network paths, in order (empty: one, gloo's choice)
     link_grace: float  # seconds a path may be down before the job leaves it
+    protect: bool  # a script written without torchpass gets torchpass's strategy (``--protect``)
+    snapshot_dir: str  # every worker's Trainer snapshots there ('': only where the script asks)
+    snapshot_every: int
 
     @classmethod
     def derive(cls, command: list[str], job: TorchPassConfig, agent: AgentConfig, *, token: str,
@@ -71,7 +74,8 @@ class LaunchConfig:
             external_store=external_store,
             interfaces=(all_interfaces() if agent.interfaces.strip() == "all" else
                         tuple(i.strip() for i in agent.interfaces.split(",") if i.strip())),
-            link_grace=agent.link_grace_s,
+            link_grace=agent.link_grace_s, protect=agent.protect, snapshot_dir=job.snapshots.dir or "",
+            snapshot_every=job.snapshots.every_n_steps,
         )
 
     @property

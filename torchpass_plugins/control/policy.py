@@ -11,6 +11,8 @@ worker exit, agent side                REJECTED: ABORT (this node stops); a fail
                                        the job runs and the device is healthy: REFILL; else NOTHING
 rank exit, coordinator side            CONFIG_ERROR: ABORT; UNRECOVERABLE: give up (restartable);
                                        OK (not leaving for a migration): FINISHED; else REPLACE
+exit of a worker not yet joined        CONFIG_ERROR, or an error before the job started: ABORT; else
+                                       NOTHING
 ranks lost in one batch                training complete: ABORT; more than spares: WAIT (refill on and
                                        a wait set) or give up (restartable); else REPLACE
 no refilled spare in time              give up (restartable)
@@ -86,6 +88,19 @@ class Policy:
         if code in (ExitCode.OK, ExitCode.CONFIG_ERROR, ExitCode.UNRECOVERABLE):
             return NOTHING  # done, or the job stops (or restarts every worker) anyway
         return Decision(Action.REFILL) if self.refill and not job_done and device_healthy else NOTHING
+
+    def unjoined_exited(self, code: int, worker: str, *, started: bool) -> Decision:
+        """A worker that had not joined the job exited; ``started``: the job's first roster is out. Its script
+        failed before building a torchpass strategy or ``TorchPass()``: a configuration error (every worker
+        repeats it), or before the job started, any error of its own (every worker runs the same script; its
+        agent would otherwise start it again and again). Killed by a signal, or later: its agent's refill."""
+        if code == ExitCode.CONFIG_ERROR:
+            return Decision(Action.ABORT, f"worker {worker} stopped on a configuration error before joining the "
+                                          "job; see its output")
+        if code > 0 and not started:
+            return Decision(Action.ABORT, f"worker {worker} exited with code {code} before the job started: its "
+                                          "script failed before joining it (see its output), as every worker's would")
+        return NOTHING
 
     def rank_exited(self, code: int, worker: str, rank: int, *, migrating: bool, request: str | None) -> Decision:
         """The worker of logical rank ``rank`` exited; ``request``: its own message (``abort_request_key``),

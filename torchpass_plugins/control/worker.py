@@ -7,11 +7,13 @@ A worker joins on first use of :func:`current_runtime`; a spare blocks there unt
 from __future__ import annotations
 
 import atexit
+import functools
 import os
 import runpy
 import sys
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 from torchpass_plugins.config import TimeoutConfig
 from torchpass_plugins.control.membership import JobAborted, JoinRejected, Unrecoverable
@@ -80,10 +82,15 @@ def run_as_worker(argv: list[str]) -> int:
     agent what to do), and :func:`_close_at_exit` runs at exit."""
     global _exit_code
     from torchpass_plugins import _STRATEGIES, register_strategies
-    from torchpass_plugins._compat.lightning_trainer import resolve_auto_devices_to_active_ranks
-
+    from torchpass_plugins._compat.lightning_trainer import (
+        resolve_auto_devices_to_active_ranks,
+        rewrite_trainer_arguments,
+    )
+    env = WorkerEnv.from_env()
     register_strategies()
-    resolve_auto_devices_to_active_ranks(WorkerEnv.from_env().world_size, tuple(_STRATEGIES))
+    resolve_auto_devices_to_active_ranks(env.world_size, tuple(_STRATEGIES))
+    rewrite_trainer_arguments(functools.partial(_protected, env))
+    _refuse_loops_it_cannot_see(env)
     atexit.register(_close_at_exit)
     try:
         faults.load()  # a malformed TORCHPASS_FAULTS stops the job here, before training
@@ -106,6 +113,52 @@ def run_as_worker(argv: list[str]) -> int:
         _exit_code = 1
         _leave_on_uncaught(*sys.exc_info())
     return _exit_code
+
+
+def _protected(env: WorkerEnv, arguments: dict) -> tuple[dict, Any]:
+    """A Trainer's arguments under this launch (imported when a Trainer is built: a worker whose script uses
+    Accelerate does not load the Lightning strategies)."""
+    from torchpass_plugins.integrations.lightning.protection import rewrite
+
+    return rewrite(env, arguments)
+
+
+def _refuse_loops_it_cannot_see(env: WorkerEnv) -> None:
+    """A loop torchpass does not see would run the job's ranks as unrelated processes (no launcher variable
+    tells them their rank) and a lost worker could not be replaced: an ``Accelerator`` built before any
+    ``TorchPass()``, and a ``torch.distributed`` process group the script starts itself, are refused with what
+    to change, before anything trains."""
+    import torch.distributed as dist
+
+    from torchpass_plugins._compat.accelerate import before_accelerator
+
+    protect = (" --protect protects Lightning Trainers with no code change; it cannot see inside a hand-written "
+               "loop." if env.protect else "")
+
+    def joined_before_accelerator() -> None:
+        if _RUNTIME is None:
+            raise ConfigError(
+                "torchpass: `torchpass launch` started this process, but its Accelerator is built before any "
+                "TorchPass(), so it does not join the job: its ranks would train as unrelated processes. Add "
+                "`tp = TorchPass()` before Accelerator(), then tp.track(...), tp.epochs(...) and tp.batches(...) "
+                "(the four lines of the Accelerate guide)." + protect)
+
+    init = dist.init_process_group
+
+    @functools.wraps(init)
+    def init_process_group(backend: str | None = None, *args, **kwargs):
+        from torchpass_plugins.core.default_group import BACKEND
+
+        if backend != BACKEND:
+            raise ConfigError(
+                f"torchpass: this script starts its own process group (init_process_group(backend={backend!r})) "
+                "in a loop torchpass cannot see: its ranks would not be the job's and a lost worker could not be "
+                "replaced. Train with Lightning (strategy='torchpass_ddp' or 'torchpass_fsdp') or with Accelerate "
+                "and TorchPass()." + protect)
+        return init(backend, *args, **kwargs)
+
+    before_accelerator(joined_before_accelerator)
+    dist.init_process_group = init_process_group
 
 
 def _close_at_exit() -> None:

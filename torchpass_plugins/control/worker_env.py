@@ -32,6 +32,10 @@ class WorkerEnv:
     straggler_factor: float = StragglerConfig.factor
     agent_pid: int = 0  # the process that started this worker (the agent or its fork server); 0: none to follow
     interfaces: tuple[str, ...] = ()  # the node's network paths, in order (``--interfaces``); empty: gloo's choice
+    protect: bool = False  # ``--protect``: a Trainer asking for Lightning's own strategy gets torchpass's
+    spares: int = 0  # the job's spares (what a protected job is told it has)
+    snapshot_dir: str = ""  # ``--snapshot-dir``: the Trainer snapshots there with no callback in the script
+    snapshot_every: int = 0
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] = os.environ) -> WorkerEnv | None:

@@ -102,7 +102,13 @@ class TorchPass:
                           UnprotectedRunWarning, stacklevel=2)
             return
         from torchpass_plugins.control.worker import current_runtime
+        from torchpass_plugins.control.worker_env import WorkerEnv
 
+        snapshot_dir = WorkerEnv.from_env().snapshot_dir
+        if snapshot_dir:  # (refused before joining: a spare would wait there for good)
+            raise ConfigError(f"torchpass launch --snapshot-dir {snapshot_dir}: an Accelerate loop writes no "
+                              "snapshots yet (its lost workers are replaced live by spares); launch it without "
+                              "--snapshot-dir")
         rt = self.runtime = current_runtime(timeout)
         if seed is not None:
             rt.seed_override = seed
