@@ -16,6 +16,7 @@ from torchpass_plugins.control.policy import Policy
 from torchpass_plugins.control.protocol import (
     ABORT_KEY,
     DONE_KEY,
+    DRAIN_KEY,
     RESTART_KEY,
     TRAINED_KEY,
     Exit,
@@ -23,6 +24,8 @@ from torchpass_plugins.control.protocol import (
     Roster,
     Stalled,
     assign_key,
+    borrow_key,
+    borrowed_key,
     evict_key,
     join_key,
     roster_key,
@@ -242,3 +245,27 @@ def test_a_blocked_collective_escapes_when_a_newer_roster_appears(store):
     assert transports[0].drain(timeout=10)
     for m in members:
         m.close()
+
+
+def test_a_job_with_no_spare_asks_its_node_to_borrow_and_gives_the_device_back_once_its_own_spare_joins(store,
+                                                                                                        tmp_path):
+    _, s = store
+    c = Coordinator(s, "tok", processes=2, world_size=2, events=EventLog(tmp_path / "events.jsonl"),
+                    policy=Policy(spare_wait_s=20.0, borrow_wait_s=50.0))
+    for w in ("n0-s0-i0", "n1-s0-i0"):
+        _join(s, w)
+    c.poll()
+    _exit(s, "n1-s0-i0", -9)
+    c.poll()
+    assert s.add(borrow_key(1), 0) == 1 and s.add(borrow_key(0), 0) == 0  # on the lost worker's node
+    s.set(borrowed_key("n1-s9-i0"), "3")
+    _join(s, "n1-s9-i0")  # the worker on the borrowed device takes the rank
+    c.poll()
+    assert c.ranks == ["n0-s0-i0", "n1-s9-i0"]
+    _join(s, "n1-s0-i1")  # the node's own slot, refilled: the rank moves back, the device goes back
+    c.poll()
+    assert json.loads(s.get(DRAIN_KEY))["worker"] == "n1-s9-i0" and c.moving.spare == "n1-s0-i1"
+    s.set(borrowed_key("n1-s8-i0"), "2")
+    _join(s, "n1-s8-i0")  # a borrowed worker no rank needs leaves at once
+    c.poll()
+    assert _assignment(s, "n1-s8-i0") == {"exit": "retired: no rank needs the borrowed device: it goes back"}

@@ -184,3 +184,11 @@ def test_silence_counts_only_while_the_store_answers(monkeypatch):
     assert clocks.silent_for("w", 3) == 0.0 and clocks.silent_for("v", 1) == 0.0
     now[0] += 5.0
     assert clocks.silent_for("w", 3) == 5.0 and clocks.silent_for("w", 4) == 0.0
+
+
+def test_a_job_that_may_borrow_asks_for_devices_before_it_waits_for_refills_or_gives_up():
+    borrowing = Policy(restarts_left=1, spare_wait_s=20.0, borrow_wait_s=50.0)
+    assert borrowing.ranks_lost([1], 0, training_complete=False).action is A.BORROW
+    assert borrowing.ranks_lost([1], 1, training_complete=False).action is A.REPLACE  # a spare of its own first
+    late = borrowing.spares_not_refilled([1], 0)
+    assert late.action is A.RESTART and "(none joined within 50 s)" in late.why

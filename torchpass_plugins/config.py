@@ -221,6 +221,16 @@ class AgentConfig:
     link_grace_s: float = setting(5.0, "with --interfaces: seconds a path may be down (a flap) before the job leaves "
                                        "it for the next", "--link-grace")
     seed: Optional[int] = setting(None, "job seed for per-step RNG (default: from PL_GLOBAL_SEED)", "--seed")
+    lend: bool = setting(False, "this job is of low priority: jobs launched with --borrow on its nodes may take "
+                                "its devices when they lose a worker and have no spare free (it gets them back "
+                                "when they are done)", "--lend")
+    borrow: bool = setting(False, "when this job loses a worker and has no spare free, borrow a device of a job "
+                                  "launched with --lend on that node", "--borrow")
+    lend_registry: str = setting("/tmp/torchpass-lenders", "the directory where lending jobs list themselves, the "
+                                                           "same for every job of a node", "--lend-registry")
+    yield_timeout_s: float = setting(30.0, "with --borrow: seconds a lender has to yield a device; past them the "
+                                           "job falls back as with no spare (restart from its snapshot)",
+                                     "--yield-timeout")
     protect: bool = setting(False, "protect a script written without torchpass: a Lightning Trainer that asks for "
                                    "strategy 'ddp', 'fsdp' or 'auto' runs on torchpass_ddp / torchpass_fsdp with "
                                    "this launch's spares; what cannot be protected is refused before training",

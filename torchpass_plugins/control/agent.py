@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torchpass_plugins.control.coordinator import Coordinator
 from torchpass_plugins.control.launch_config import LaunchConfig
 from torchpass_plugins.control.leadership import JournaledInbox, QueueInbox, candidacy
+from torchpass_plugins.control.lending import Loan, SlotLoans
 from torchpass_plugins.control.links import LinkWatch
 from torchpass_plugins.control.membership import (
     StoreUnusable,
@@ -43,6 +44,7 @@ from torchpass_plugins.control.protocol import (
     Exit,
     Migrate,
     agent_beat_key,
+    borrowed_key,
     evict_key,
     heartbeat_key,
     node_agent_key,
@@ -66,6 +68,8 @@ class _Slot:
     incarnation: int = 0
     proc: subprocess.Popen | None = None
     worker_id: str = ""
+    lent: int | None = None  # the lending request its device was yielded for (its worker is not started again)
+    loan: Loan | None = None  # a slot on a device borrowed from a lending job
 
 
 class Agent:
@@ -107,6 +111,9 @@ class Agent:
         self._zygote = Zygote(list(cfg.preload)) if cfg.preload else None
         if self._zygote is not None:
             self.events.emit("fork_server_started", pid=self._zygote.proc.pid, shared=self._zygote.shared)
+        self.loans = SlotLoans(lend=cfg.lend, borrow=cfg.borrow, registry=cfg.lend_registry,
+                               yield_timeout=cfg.yield_timeout, endpoint=self.endpoint, client=self._client,
+                               node=cfg.node_rank, events=self.events) if cfg.lend or cfg.borrow else None
         for slot in self.slots:
             self._spawn(slot)
         threading.Thread(target=HealthWatch(cfg.health).run, args=(self._watched_devices, self._on_device, self._done),
@@ -124,6 +131,8 @@ class Agent:
             if self._zygote is not None:
                 self._zygote.close()
             self._kill_all()
+            if self.loans is not None:
+                self.loans.close(self.slots)
             finished_with_store(self.store, cfg.node_rank)
             if cfg.node_rank == 0 and not cfg.external_store and cfg.store_address is None:
                 wait_for_agents(self.store, cfg.nnodes)
@@ -140,7 +149,8 @@ class Agent:
             self.events.emit("node_rejoined", node=cfg.node_rank)
         self.policy = Policy(restarts_left=cfg.max_restarts - self.attempt, spare_wait_s=cfg.spare_wait,
                              refill=cfg.refill, straggler_migrate=cfg.straggler_migrate,
-                             heartbeat_timeout=cfg.heartbeat_timeout, paths=max(1, len(cfg.interfaces)))
+                             heartbeat_timeout=cfg.heartbeat_timeout, paths=max(1, len(cfg.interfaces)),
+                             borrow_wait_s=cfg.yield_timeout + cfg.spare_wait if cfg.borrow else 0.0)
         attempt = self.attempt
         self._candidacy = candidacy(lambda: prefixed(self._client.clone(), attempt), cfg.store_address is not None,
                                     cfg.node_rank, cfg.heartbeat_timeout)
@@ -188,8 +198,13 @@ class Agent:
         self._kill_all()
         self._stop_coordinator()
         self._begin_attempt()
+        if self.loans is not None:  # a restart runs on the job's own slots
+            self.loans.new_attempt()
+            for slot in [s for s in self.slots if s.loan is not None]:
+                self._give_back(slot)
         for slot in self.slots:
-            self._spawn(slot)
+            if slot.lent is None:
+                self._spawn(slot)
 
     # -- workers --------------------------------------------------------------------------------------
     def _spawn(self, slot: _Slot) -> None:
@@ -205,6 +220,8 @@ class Agent:
             protect=cfg.protect, spares=cfg.spares, snapshot_dir=cfg.snapshot_dir, snapshot_every=cfg.snapshot_every,
         )
         worker_env = {**os.environ, **env.to_env(), "PYTHONUNBUFFERED": "1"}
+        if slot.loan is not None:
+            worker_env["CUDA_VISIBLE_DEVICES"] = slot.loan.device
         if self._zygote is not None:
             slot.proc = self._zygote.spawn(list(cfg.command), worker_env)
         else:
@@ -233,6 +250,8 @@ class Agent:
                     self._restart(self.store.get(RESTART_KEY).decode())
                     done, next_check = False, 0.0
                     continue
+                if self.loans is not None:
+                    self.loans.tend(self.slots, self.store, self._yield, self._spawn, self._start_borrowed)
                 if aborted:
                     print(f"torchpass: job aborted: {self.store.get(ABORT_KEY).decode()}", file=sys.stderr, flush=True)
                     return 1
@@ -241,7 +260,7 @@ class Agent:
                           "serves it now; stopping its workers", file=sys.stderr, flush=True)
                     return 1
             alive = 0
-            for slot in self.slots:
+            for slot in list(self.slots):
                 if slot.proc is None:
                     continue
                 code = slot.proc.poll()
@@ -252,7 +271,10 @@ class Agent:
                     continue
                 self._report_exit(slot, code)
                 slot.proc = None
-                healthy = slot.index not in self.unhealthy
+                if slot.loan is not None:
+                    self._give_back(slot)
+                    continue
+                healthy = slot.index not in self.unhealthy and slot.lent is None
                 decision = self.policy.worker_exited(code, job_done=done, device_healthy=healthy)
                 if decision.action is Action.ABORT:
                     print(f"torchpass: the job's coordinator at {self.endpoint} refused this node's workers "
@@ -263,7 +285,7 @@ class Agent:
                 if decision.action is Action.REFILL:
                     self._spawn(slot)
                     alive += 1
-            if alive == 0:
+            if alive == 0 and all(s.lent is None for s in self.slots):  # (a lent slot comes back to train)
                 code = self._outcome()
                 if code is not None:
                     return code
@@ -318,6 +340,23 @@ class Agent:
             self.events.emit("hang_detected", worker=slot.worker_id, silent_s=silent_s)
         slot.proc.kill()
         slot.proc.wait()
+
+    # -- loans of devices between jobs -----------------------------------------------------------------
+    def _yield(self, slot: _Slot) -> None:
+        """A borrowing job takes this slot's device: its worker goes now (its job sees it lost)."""
+        slot.proc.kill()
+        slot.proc.wait()
+
+    def _start_borrowed(self, loan: Loan) -> None:
+        slot = _Slot(max(s.index for s in self.slots) + 1, loan=loan)
+        self.slots.append(slot)
+        self._spawn(slot)
+        self.store.set(borrowed_key(slot.worker_id), loan.device)  # (its worker takes far longer to join)
+
+    def _give_back(self, slot: _Slot) -> None:
+        slot.loan.give_back()
+        self.slots.remove(slot)
+        self.events.emit("slot_given_back", slot=slot.index, device=slot.loan.device)
 
     def _report_exit(self, slot: _Slot, code: int) -> None:
         why = f"signal {-code}" if code < 0 else f"exit code {code}"

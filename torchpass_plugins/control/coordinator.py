@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 import threading
-from collections import deque
+from collections import Counter, deque
 from dataclasses import asdict, dataclass, field, replace
 
 import torch.distributed as dist
@@ -43,6 +43,8 @@ from torchpass_plugins.control.protocol import (
     Straggler,
     abort_request_key,
     assign_key,
+    borrow_key,
+    borrowed_key,
     decode,
     evict_key,
     join_key,
@@ -184,8 +186,20 @@ class Coordinator:
         elif self.outcome is None:
             self.spares.append(worker_id)
             self.events.emit("spare_joined", worker=worker_id, spares=len(self.spares))
+            if not self._short:  # (a spare that joins while ranks wait for one takes a rank first)
+                self._give_back_borrowed()
         else:
             self.store.set(assign_key(worker_id), json.dumps({"exit": self.outcome}))
+
+    def _give_back_borrowed(self) -> None:
+        """Workers on devices borrowed from a lending job leave once the job's own pool can do without them: an
+        idle one at once, one holding a rank (moved at a step boundary) once a spare of the job's own is free."""
+        borrowed = {w for w in (*self.spares, *self.ranks) if self.store.check([borrowed_key(w)])}
+        for worker_id in [w for w in self.spares if w in borrowed]:
+            self._on_migrate(worker_id, "no rank needs the borrowed device: it goes back")
+        holding = [w for w in self.ranks if w in borrowed]
+        if holding and self.spares and self.moving is None:
+            self._on_migrate(holding[0], "a spare of the job's own joined: the borrowed device goes back")
 
     def _on_migrate(self, worker_id: str, why: str) -> None:
         """Move the worker's rank to a spare at a step boundary (the ranks agree on which one); a spare on a
@@ -298,10 +312,16 @@ class Coordinator:
     def _replace(self, lost: list[int]) -> None:
         training_complete = bool(self.finished) or self.store.check([TRAINED_KEY])
         decision = self.policy.ranks_lost(lost, len(self.spares), training_complete=training_complete)
-        if decision.action is Action.WAIT:
+        if decision.action in (Action.WAIT, Action.BORROW):
             if not self._short:
-                self.events.emit("spare_awaited", ranks=lost, spares=len(self.spares), wait_s=self.policy.spare_wait_s)
-                self._later(self.policy.spare_wait_s, SpareDeadline(self.gen))
+                borrowing = decision.action is Action.BORROW
+                wait_s = self.policy.borrow_wait_s if borrowing else self.policy.spare_wait_s
+                self.events.emit("spare_awaited", ranks=lost, spares=len(self.spares), wait_s=wait_s)
+                if borrowing:  # on the lost workers' nodes
+                    for node, count in Counter(slot_order(self.ranks[r])[0] for r in lost).items():
+                        self.store.add(borrow_key(node), count)
+                        self.events.emit("borrow_requested", node=node, devices=count)
+                self._later(wait_s, SpareDeadline(self.gen))
             self._short = lost
             return
         if decision.action is not Action.REPLACE:

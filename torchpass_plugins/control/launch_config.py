@@ -49,6 +49,10 @@ class LaunchConfig:
     protect: bool  # a script written without torchpass gets torchpass's strategy (``--protect``)
     snapshot_dir: str  # every worker's Trainer snapshots there ('': only where the script asks)
     snapshot_every: int
+    lend: bool  # other jobs of its nodes launched with --borrow may take its devices
+    borrow: bool  # it may take a lender's device when it has no spare free
+    lend_registry: str
+    yield_timeout: float  # how long a lender has to yield a device
 
     @classmethod
     def derive(cls, command: list[str], job: TorchPassConfig, agent: AgentConfig, *, token: str,
@@ -75,7 +79,8 @@ class LaunchConfig:
             interfaces=(all_interfaces() if agent.interfaces.strip() == "all" else
                         tuple(i.strip() for i in agent.interfaces.split(",") if i.strip())),
             link_grace=agent.link_grace_s, protect=agent.protect, snapshot_dir=job.snapshots.dir or "",
-            snapshot_every=job.snapshots.every_n_steps,
+            snapshot_every=job.snapshots.every_n_steps, lend=agent.lend, borrow=agent.borrow,
+            lend_registry=agent.lend_registry, yield_timeout=agent.yield_timeout_s,
         )
 
     @property
@@ -131,6 +136,10 @@ class LaunchConfig:
             raise ValueError("multi-node jobs need a fixed --rdzv-endpoint HOST:PORT reachable from every node")
         if not self.command:
             raise ValueError("no training script given")
+        if self.lend and self.borrow:
+            raise ValueError("--lend and --borrow: a job either lends its devices (low priority) or borrows them")
+        if self.yield_timeout <= 0:
+            raise ValueError(f"--yield-timeout must be > 0, not {self.yield_timeout:g}")
         if len(set(self.interfaces)) < len(self.interfaces):
             raise ValueError(f"--interfaces names an interface twice: {','.join(self.interfaces)}")
         for name in self.interfaces:

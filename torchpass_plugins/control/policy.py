@@ -13,9 +13,11 @@ rank exit, coordinator side            CONFIG_ERROR: ABORT; UNRECOVERABLE: give 
                                        OK (not leaving for a migration): FINISHED; else REPLACE
 exit of a worker not yet joined        CONFIG_ERROR, or an error before the job started: ABORT; else
                                        NOTHING
-ranks lost in one batch                training complete: ABORT; more than spares: WAIT (refill on and
-                                       a wait set) or give up (restartable); else REPLACE
-no refilled spare in time              give up (restartable)
+ranks lost in one batch                training complete: ABORT; more than spares: BORROW (--borrow),
+                                       WAIT (refill on and a wait set) or give up (restartable); else
+                                       REPLACE
+no refilled (or borrowed) spare in     give up (restartable)
+time
 give up (restartable)                  RESTART while restarts are left, else ABORT
 migration request (health)             job over / unknown worker: NOTHING; a spare: RETIRE; a migration
                                        under way or no spare: REFUSE; else MIGRATE
@@ -49,6 +51,7 @@ class Action(Enum):
     FINISHED = "finished"  # the rank completed its work
     REPLACE = "replace"  # the rank is lost: a spare takes it (for a batch: the spares take them now)
     WAIT = "wait"  # more ranks lost than spares free: wait for refilled workers to join the pool
+    BORROW = "borrow"  # more ranks lost than spares free: ask a lending job for devices, wait for their workers
     REFILL = "refill"  # start a fresh worker in the freed slot; it joins the spare pool
     REROUTE = "reroute"  # rebuild the same members' groups on another network path
     RESTART = "restart"  # restart every worker; the job resumes from its newest snapshot
@@ -75,6 +78,7 @@ class Policy:
     straggler_migrate: bool = False  # move a straggler to a spare (else only log it)
     heartbeat_timeout: float = TimeoutConfig.heartbeat_s  # silence after which a worker or node is written off
     paths: int = 1  # network paths between the nodes (``--interfaces``)
+    borrow_wait_s: float = 0.0  # more ranks lost than spares free: borrow a lender's device, waiting this long
 
     def give_up(self, message: str, restartable: bool) -> Decision:
         """A failure no spare can fix: restart while restarts are left, if a restart can get past it."""
@@ -124,13 +128,16 @@ class Policy:
                                           "the script's code after fit, or at exit); the job is not restarted")
         if len(lost) <= spares:
             return Decision(Action.REPLACE)
+        if self.borrow_wait_s > 0:
+            return Decision(Action.BORROW, f"{len(lost)} rank(s) lost, {spares} spare(s) free")
         if self.refill and self.spare_wait_s > 0:
             return Decision(Action.WAIT, f"{len(lost)} rank(s) lost, {spares} spare(s) free")
         return self._too_few_spares(lost, spares, "")
 
     def spares_not_refilled(self, lost: list[int], spares: int) -> Decision:
-        """The wait for refilled workers ended with ranks still lacking a spare."""
-        return self._too_few_spares(lost, spares, f" (none joined within {self.spare_wait_s:g} s)")
+        """The wait for refilled (or borrowed) workers ended with ranks still lacking a spare."""
+        wait = self.borrow_wait_s or self.spare_wait_s
+        return self._too_few_spares(lost, spares, f" (none joined within {wait:g} s)")
 
     def _too_few_spares(self, lost: list[int], spares: int, waited: str) -> Decision:
         return self.give_up(

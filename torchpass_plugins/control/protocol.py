@@ -129,6 +129,16 @@ def reached_key(rank: int) -> str:
     return f"reached/{rank}"
 
 
+def borrow_key(node: int) -> str:
+    """A counter: the devices the coordinator asked node ``node``'s agent to borrow from a lending job."""
+    return f"borrow/{node}"
+
+
+def borrowed_key(worker_id: str) -> str:
+    """Set for a worker its agent started on a device borrowed from a lending job."""
+    return f"borrowed/{worker_id}"
+
+
 def spare_error_key(rank: int) -> str:
     """The error of the last spare promoted to ``rank`` that failed before completing a step."""
     return f"spare_error/{rank}"
