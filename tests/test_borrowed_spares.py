@@ -75,24 +75,6 @@ def test_a_job_with_no_spare_goes_on_bit_exact_on_a_borrowed_device_and_the_lend
     assert_the_lender_got_its_slot_back_and_resumed(jobs.lending, lent, reference)
 
 
-def test_a_borrowed_device_goes_back_as_soon_as_the_jobs_own_pool_can_do_without_it(tmp_path, reference):
-    # With refill on, the lost worker's slot is started again at once: whichever of the refilled and the
-    # borrowed workers joins first takes the rank; the borrowed device goes back while the borrower still
-    # trains (an idle borrowed worker leaves at once; one holding the rank moves it to the refilled spare).
-    with Jobs(tmp_path) as jobs:
-        borrowing = jobs.borrow(train_args=("--sleep-per-step", "0.3"))
-        borrowing.wait_until(lambda: borrowing.events("slot_given_back"), "the borrowed device to go back")
-        borrowing.full_speed()
-        jobs.lending.full_speed()
-        borrowed, lent = borrowing.wait(), jobs.lending.wait()
-    [given_back] = borrowing.events("slot_given_back")
-    [finished] = borrowing.events("job_finished")
-    assert given_back["time"] < finished["time"]
-    assert borrowing.events("spare_retired") or borrowing.events("migration_requested")
-    assert_bit_exact(borrowing, borrowed, reference(2), world=2)
-    assert_the_lender_got_its_slot_back_and_resumed(jobs.lending, lent, reference)
-
-
 def test_a_lender_that_does_not_yield_in_time_leaves_the_borrower_to_its_snapshot(tmp_path, reference):
     with Jobs(tmp_path) as jobs:
         os.kill(jobs.lending.agents[0].pid, signal.SIGSTOP)  # its agent answers nothing

@@ -251,7 +251,7 @@ def test_a_job_with_no_spare_asks_its_node_to_borrow_and_gives_the_device_back_o
                                                                                                         tmp_path):
     _, s = store
     c = Coordinator(s, "tok", processes=2, world_size=2, events=EventLog(tmp_path / "events.jsonl"),
-                    policy=Policy(spare_wait_s=20.0, borrow_wait_s=50.0))
+                    policy=Policy(refill=False, borrow=True, borrow_wait_s=50.0))
     for w in ("n0-s0-i0", "n1-s0-i0"):
         _join(s, w)
     c.poll()

@@ -93,7 +93,7 @@ def test_the_messages_of_too_few_spares_and_of_a_loss_after_training():
     now = Policy().ranks_lost([0, 1], 0, training_complete=False)
     assert now.why.startswith("2 worker(s) lost (logical rank(s) [0, 1]) but 0 spare(s) left:")
     assert "--spares" in now.why
-    late = policy.spares_not_refilled([0, 1], 0)
+    late = policy.spares_not_refilled([0, 1], 0, borrowed=False)
     assert late.action is A.RESTART and "but 0 spare(s) left (none joined within 0.2 s)" in late.why
     after = policy.ranks_lost([1], 3, training_complete=True)
     assert "after training had completed on every rank" in after.why and "not restarted" in after.why
@@ -186,9 +186,12 @@ def test_silence_counts_only_while_the_store_answers(monkeypatch):
     assert clocks.silent_for("w", 3) == 5.0 and clocks.silent_for("w", 4) == 0.0
 
 
-def test_a_job_that_may_borrow_asks_for_devices_before_it_waits_for_refills_or_gives_up():
-    borrowing = Policy(restarts_left=1, spare_wait_s=20.0, borrow_wait_s=50.0)
-    assert borrowing.ranks_lost([1], 0, training_complete=False).action is A.BORROW
-    assert borrowing.ranks_lost([1], 1, training_complete=False).action is A.REPLACE  # a spare of its own first
-    late = borrowing.spares_not_refilled([1], 0)
+def test_a_job_that_may_borrow_waits_for_its_own_refill_first_then_borrows_then_gives_up():
+    borrowing = Policy(restarts_left=1, spare_wait_s=20.0, borrow=True, borrow_wait_s=50.0)
+    assert borrowing.ranks_lost([1], 1, training_complete=False).action is A.REPLACE  # a spare of its own
+    assert borrowing.ranks_lost([1], 0, training_complete=False).action is A.WAIT  # its refill, on its way
+    assert borrowing.spares_not_refilled([1], 0, borrowed=False).action is A.BORROW  # no refill in time
+    late = borrowing.spares_not_refilled([1], 0, borrowed=True)
     assert late.action is A.RESTART and "(none joined within 50 s)" in late.why
+    no_refill = Policy(refill=False, borrow=True, borrow_wait_s=50.0)
+    assert no_refill.ranks_lost([1], 0, training_complete=False).action is A.BORROW  # at once

@@ -35,7 +35,7 @@ def test_protect_gives_lightnings_strategies_their_torchpass_counterpart(asked, 
     assert protection.arguments == {"strategy": given, "max_steps": 3}
     assert protection.line(spares=1).startswith(
         f"torchpass: Trainer(strategy={asked or 'auto'!r})" + (f" runs on {given}" if asked != given else "")
-        + ": a lost worker is replaced live by one of 1 spare(s); no snapshots")
+        + ": a lost worker is replaced live by one of 1 spare(s); no snapshots (pass --snapshot-dir)")
 
 
 @pytest.mark.parametrize(("asked", "message"), [
@@ -54,8 +54,10 @@ def test_protect_refuses_what_has_no_torchpass_counterpart(asked, message):
 
 
 def test_without_protect_lightnings_own_strategy_is_refused_on_several_ranks_and_left_alone_on_one():
-    with pytest.raises(ConfigError, match=r"launch started 2 active ranks, but Trainer\(strategy='ddp'\) does not"):
-        decide({"strategy": "ddp"}, env(protect=False), TorchPassCallback)
+    for world_size in (2, 1):  # (one rank: Lightning's DDP would still start a process group of its own)
+        with pytest.raises(ConfigError, match=rf"launch started {world_size} active rank\(s\), but Trainer\("
+                                              r"strategy='ddp'\) does not"):
+            decide({"strategy": "ddp"}, env(protect=False, world_size=world_size), TorchPassCallback)
     assert decide({"strategy": "auto"}, env(protect=False, world_size=1, spares=0), TorchPassCallback) is None
     ours = type("Ours", (), {"strategy_name": "torchpass_ddp"})()  # (a TorchPassDDPStrategy joins a job as built)
     assert decide({"strategy": ours}, env(protect=False), TorchPassCallback) is None  # nothing to say
@@ -68,9 +70,10 @@ def test_the_launchs_snapshots_reach_a_trainer_and_a_scripts_own_stand():
     added = decide({"strategy": "ddp"}, launch, TorchPassCallback)
     [callback] = added.arguments["callbacks"]
     assert (callback.snapshot_dir, callback.snapshot_every_n_steps) == ("s3://b/job", 5)
-    assert added.line(spares=0) == ("torchpass: Trainer(strategy='ddp') runs on torchpass_ddp: no spare (--spares 0): "
-                                    "a lost worker restarts the job; snapshots every 5 step(s) to s3://b/job, "
-                                    "resumed from after a restart")
+    assert added.line(spares=0, borrow=True) == (
+        "torchpass: Trainer(strategy='ddp') runs on torchpass_ddp: no spare (--spares 0): a lost worker restarts the "
+        "job, unless a device borrowed from a lending job (--borrow) takes its rank; snapshots every 5 step(s) to "
+        "s3://b/job, resumed from after a restart")
     publishing = TorchPassCallback(publish_weights="tcp://127.0.0.1:1")  # the script's, with no snapshots
     completed = decide({"strategy": "ddp", "callbacks": publishing}, launch, TorchPassCallback)
     assert completed.arguments["callbacks"] == [publishing] and publishing.snapshot_dir == "s3://b/job"
@@ -108,7 +111,7 @@ def test_an_unmodified_script_under_protect_loses_rank_0_and_goes_on_bit_exact(t
                      faults="kill@rank=0,step=9,phase=reduce")
     assert codes == [0], job.output()[-3000:]
     assert ("torchpass: Trainer(strategy='ddp') runs on torchpass_ddp: a lost worker is replaced live by one of 1 "
-            "spare(s); no snapshots (--snapshot-dir): a restart begins again from step 0") in job.output()
+            "spare(s); no snapshots (pass --snapshot-dir): a restart begins again from step 0") in job.output()
     [said] = job.events("protection")
     assert (said["asked"], said["strategy"], said["spares"]) == ("'ddp'", "torchpass_ddp", 1)
     assert [e["rank"] for e in job.events("failure_detected")] == [0] and not job.events("job_restarting")
@@ -157,8 +160,8 @@ def test_what_torchpass_cannot_see_or_protect_is_refused_before_training(tmp_pat
     train, launch = (), ("--protect",)
     message = {
         "accelerate": "its Accelerator is built before any TorchPass(), so it does not join the job",
-        "own_process_group": "this script starts its own process group (init_process_group(backend='gloo')) in a "
-                             "loop torchpass cannot see",
+        "own_process_group": "this process starts a process group of its own (init_process_group(backend='gloo'), "
+                             "from the script's loop or a strategy of Lightning's own), which torchpass cannot see",
         "deepspeed": "Trainer(strategy='deepspeed') cannot be protected",
         "accelerate_snapshots": "an Accelerate loop writes no snapshots yet",
     }[case]

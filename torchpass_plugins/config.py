@@ -222,12 +222,13 @@ class AgentConfig:
                                        "it for the next", "--link-grace")
     seed: Optional[int] = setting(None, "job seed for per-step RNG (default: from PL_GLOBAL_SEED)", "--seed")
     lend: bool = setting(False, "this job is of low priority: jobs launched with --borrow on its nodes may take "
-                                "its devices when they lose a worker and have no spare free (it gets them back "
-                                "when they are done)", "--lend")
+                                "its devices when they lose a worker and no spare of theirs joins in time (it gets "
+                                "each back once the borrower can do without it)", "--lend")
     borrow: bool = setting(False, "when this job loses a worker and has no spare free, borrow a device of a job "
                                   "launched with --lend on that node", "--borrow")
-    lend_registry: str = setting("/tmp/torchpass-lenders", "the directory where lending jobs list themselves, the "
-                                                           "same for every job of a node", "--lend-registry")
+    lend_registry: str = setting("/tmp/torchpass-lenders", "the directory where lending jobs list themselves (in "
+                                                           "a subdirectory per user), the same for every job of a "
+                                                           "node", "--lend-registry")
     yield_timeout_s: float = setting(30.0, "with --borrow: seconds a lender has to yield a device; past them the "
                                            "job falls back as with no spare (restart from its snapshot)",
                                      "--yield-timeout")

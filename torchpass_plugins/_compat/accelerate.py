@@ -45,15 +45,16 @@ class _AfterImport(importlib.abc.MetaPathFinder):
     def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
         if fullname != self.name:
             return None
-        sys.meta_path.remove(self)
         spec = next((s for s in (f.find_spec(fullname, path, target) for f in sys.meta_path
-                                 if hasattr(f, "find_spec")) if s is not None), None)
+                                 if f is not self and hasattr(f, "find_spec")) if s is not None), None)
         if spec is None or spec.loader is None:
             return spec
-        execute, then = spec.loader.exec_module, self.then
+        execute, then, finder = spec.loader.exec_module, self.then, self
 
-        def exec_module(module: ModuleType) -> None:
+        def exec_module(module: ModuleType) -> None:  # (a find_spec that imports nothing leaves the finder)
             execute(module)
+            if finder in sys.meta_path:
+                sys.meta_path.remove(finder)
             then(module)
 
         spec.loader.exec_module = exec_module

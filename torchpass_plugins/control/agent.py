@@ -68,7 +68,7 @@ class _Slot:
     incarnation: int = 0
     proc: subprocess.Popen | None = None
     worker_id: str = ""
-    lent: int | None = None  # the lending request its device was yielded for (its worker is not started again)
+    lent_for: int | None = None  # the lending request its device was yielded to (its worker waits for it back)
     loan: Loan | None = None  # a slot on a device borrowed from a lending job
 
 
@@ -150,7 +150,7 @@ class Agent:
         self.policy = Policy(restarts_left=cfg.max_restarts - self.attempt, spare_wait_s=cfg.spare_wait,
                              refill=cfg.refill, straggler_migrate=cfg.straggler_migrate,
                              heartbeat_timeout=cfg.heartbeat_timeout, paths=max(1, len(cfg.interfaces)),
-                             borrow_wait_s=cfg.yield_timeout + cfg.spare_wait if cfg.borrow else 0.0)
+                             borrow=cfg.borrow, borrow_wait_s=cfg.yield_timeout + cfg.spare_wait)
         attempt = self.attempt
         self._candidacy = candidacy(lambda: prefixed(self._client.clone(), attempt), cfg.store_address is not None,
                                     cfg.node_rank, cfg.heartbeat_timeout)
@@ -201,9 +201,9 @@ class Agent:
         if self.loans is not None:  # a restart runs on the job's own slots
             self.loans.new_attempt()
             for slot in [s for s in self.slots if s.loan is not None]:
-                self._give_back(slot)
+                self._drop_borrowed(slot)
         for slot in self.slots:
-            if slot.lent is None:
+            if slot.lent_for is None:
                 self._spawn(slot)
 
     # -- workers --------------------------------------------------------------------------------------
@@ -218,10 +218,12 @@ class Agent:
             straggler_window=cfg.straggler_window, straggler_factor=cfg.straggler_factor,
             agent_pid=self._zygote.proc.pid if self._zygote is not None else os.getpid(), interfaces=cfg.interfaces,
             protect=cfg.protect, spares=cfg.spares, snapshot_dir=cfg.snapshot_dir, snapshot_every=cfg.snapshot_every,
+            borrow=cfg.borrow,
         )
         worker_env = {**os.environ, **env.to_env(), "PYTHONUNBUFFERED": "1"}
-        if slot.loan is not None:
+        if slot.loan is not None:  # (marked before its worker can join: the coordinator reads it then)
             worker_env["CUDA_VISIBLE_DEVICES"] = slot.loan.device
+            self.store.set(borrowed_key(slot.worker_id), slot.loan.device)
         if self._zygote is not None:
             slot.proc = self._zygote.spawn(list(cfg.command), worker_env)
         else:
@@ -251,7 +253,8 @@ class Agent:
                     done, next_check = False, 0.0
                     continue
                 if self.loans is not None:
-                    self.loans.tend(self.slots, self.store, self._yield, self._spawn, self._start_borrowed)
+                    self.loans.tend(self.slots, self.store, self.unhealthy, self._yield, self._spawn,
+                                    self._start_borrowed)
                 if aborted:
                     print(f"torchpass: job aborted: {self.store.get(ABORT_KEY).decode()}", file=sys.stderr, flush=True)
                     return 1
@@ -272,9 +275,9 @@ class Agent:
                 self._report_exit(slot, code)
                 slot.proc = None
                 if slot.loan is not None:
-                    self._give_back(slot)
+                    self._drop_borrowed(slot)
                     continue
-                healthy = slot.index not in self.unhealthy and slot.lent is None
+                healthy = slot.index not in self.unhealthy and slot.lent_for is None
                 decision = self.policy.worker_exited(code, job_done=done, device_healthy=healthy)
                 if decision.action is Action.ABORT:
                     print(f"torchpass: the job's coordinator at {self.endpoint} refused this node's workers "
@@ -285,7 +288,7 @@ class Agent:
                 if decision.action is Action.REFILL:
                     self._spawn(slot)
                     alive += 1
-            if alive == 0 and all(s.lent is None for s in self.slots):  # (a lent slot comes back to train)
+            if alive == 0 and (done or all(s.lent_for is None for s in self.slots)):  # (a lent slot comes back)
                 code = self._outcome()
                 if code is not None:
                     return code
@@ -309,11 +312,13 @@ class Agent:
     # -- device health --------------------------------------------------------------------------------
     def _watched_devices(self) -> list[int]:
         """Slot i uses GPU i (its workers' local rank): the devices of running workers not yet moved off."""
-        return [s.index for s in self.slots if s.proc is not None and s.index not in self.unhealthy]
+        return [s.index for s in self.slots if s.proc is not None and s.index not in self.unhealthy and s.loan is None]
 
     def _on_device(self, device: int, findings: list[Finding]) -> None:
         """Log a warning, or ask the coordinator to move the slot's worker to a spare, as the policy decides."""
-        slot = next(s for s in self.slots if s.index == device)
+        slot = next((s for s in self.slots if s.index == device), None)
+        if slot is None:
+            return  # (a borrowed slot, gone meanwhile)
         for decision in self.policy.device_findings(findings):
             if decision.action is Action.MIGRATE:
                 self._move_off(slot, decision.why)
@@ -348,15 +353,14 @@ class Agent:
         slot.proc.wait()
 
     def _start_borrowed(self, loan: Loan) -> None:
-        slot = _Slot(max(s.index for s in self.slots) + 1, loan=loan)
+        slot = _Slot(max(s.index for s in self.slots) + 1, loan=loan)  # (an index of no device of this job)
         self.slots.append(slot)
         self._spawn(slot)
-        self.store.set(borrowed_key(slot.worker_id), loan.device)  # (its worker takes far longer to join)
 
-    def _give_back(self, slot: _Slot) -> None:
-        slot.loan.give_back()
+    def _drop_borrowed(self, slot: _Slot) -> None:
+        """The worker on a borrowed device is gone: the device goes back, the slot is no more."""
         self.slots.remove(slot)
-        self.events.emit("slot_given_back", slot=slot.index, device=slot.loan.device)
+        self.loans.give_back(slot.loan)
 
     def _report_exit(self, slot: _Slot, code: int) -> None:
         why = f"signal {-code}" if code < 0 else f"exit code {code}"

@@ -95,6 +95,8 @@ class Coordinator:
     _stalled: dict[int, set[str]] = field(default_factory=dict)
     timer_store: dist.Store | None = None  # a connection of its own for delayed messages (default: ``store``)
     _short: list[int] = field(default_factory=list)  # lost ranks that wait for a spare
+    _borrowed_for: set[int] = field(default_factory=set)  # of those, the ranks a device was asked to borrow for
+    _on_loan: set[str] = field(default_factory=set)  # workers on devices borrowed from a lending job
     path: int = 0  # the network path every roster's groups are built on
     failed_paths: set[int] = field(default_factory=set)
 
@@ -155,7 +157,12 @@ class Coordinator:
                     self._on_stall_verdict(gen, lost)
                 case SpareDeadline(gen):
                     if gen == self.gen and self._short and self.outcome is None:
-                        self._stop_job(self.policy.spares_not_refilled(self._short, len(self.spares)))
+                        decision = self.policy.spares_not_refilled(self._short, len(self.spares),
+                                                                   borrowed=bool(self._borrowed_for))
+                        if decision.action is Action.BORROW:
+                            self._borrow(self._short)
+                        else:
+                            self._stop_job(decision)
                 case Exit(worker, code, why):
                     self._on_exit(worker, code, why, lost)
                 case NodeLost(node, why):  # its agent is gone: each of its workers still at work counts as exited
@@ -186,18 +193,33 @@ class Coordinator:
         elif self.outcome is None:
             self.spares.append(worker_id)
             self.events.emit("spare_joined", worker=worker_id, spares=len(self.spares))
-            if not self._short:  # (a spare that joins while ranks wait for one takes a rank first)
+            if self.policy.borrow and self.store.check([borrowed_key(worker_id)]):
+                self._on_loan.add(worker_id)
+            if self._on_loan and not self._short:  # (a spare that joins while ranks wait for one takes a rank)
                 self._give_back_borrowed()
         else:
             self.store.set(assign_key(worker_id), json.dumps({"exit": self.outcome}))
 
+    def _borrow(self, lost: list[int]) -> None:
+        """Ask the agents of the lost workers' nodes for devices of lending jobs, for the ranks not yet asked
+        for in this shortage; the first request arms the deadline of the wait for their workers."""
+        new = [r for r in lost if r not in self._borrowed_for]
+        if not new:
+            return
+        if not self._borrowed_for:
+            self.events.emit("spare_awaited", ranks=lost, spares=len(self.spares), wait_s=self.policy.borrow_wait_s)
+            self._later(self.policy.borrow_wait_s, SpareDeadline(self.gen))
+        self._borrowed_for.update(new)
+        for node, count in Counter(slot_order(self.ranks[r])[0] for r in new).items():
+            self.store.add(borrow_key(node), count)
+            self.events.emit("borrow_requested", node=node, devices=count)
+
     def _give_back_borrowed(self) -> None:
         """Workers on devices borrowed from a lending job leave once the job's own pool can do without them: an
         idle one at once, one holding a rank (moved at a step boundary) once a spare of the job's own is free."""
-        borrowed = {w for w in (*self.spares, *self.ranks) if self.store.check([borrowed_key(w)])}
-        for worker_id in [w for w in self.spares if w in borrowed]:
+        for worker_id in [w for w in self.spares if w in self._on_loan]:
             self._on_migrate(worker_id, "no rank needs the borrowed device: it goes back")
-        holding = [w for w in self.ranks if w in borrowed]
+        holding = [w for w in self.ranks if w in self._on_loan]
         if holding and self.spares and self.moving is None:
             self._on_migrate(holding[0], "a spare of the job's own joined: the borrowed device goes back")
 
@@ -312,22 +334,18 @@ class Coordinator:
     def _replace(self, lost: list[int]) -> None:
         training_complete = bool(self.finished) or self.store.check([TRAINED_KEY])
         decision = self.policy.ranks_lost(lost, len(self.spares), training_complete=training_complete)
+        if decision.action is Action.BORROW:
+            self._borrow(lost)
+        elif decision.action is Action.WAIT and not self._short:
+            self.events.emit("spare_awaited", ranks=lost, spares=len(self.spares), wait_s=self.policy.spare_wait_s)
+            self._later(self.policy.spare_wait_s, SpareDeadline(self.gen))
         if decision.action in (Action.WAIT, Action.BORROW):
-            if not self._short:
-                borrowing = decision.action is Action.BORROW
-                wait_s = self.policy.borrow_wait_s if borrowing else self.policy.spare_wait_s
-                self.events.emit("spare_awaited", ranks=lost, spares=len(self.spares), wait_s=wait_s)
-                if borrowing:  # on the lost workers' nodes
-                    for node, count in Counter(slot_order(self.ranks[r])[0] for r in lost).items():
-                        self.store.add(borrow_key(node), count)
-                        self.events.emit("borrow_requested", node=node, devices=count)
-                self._later(wait_s, SpareDeadline(self.gen))
             self._short = lost
             return
         if decision.action is not Action.REPLACE:
             self._stop_job(decision)
             return
-        self._short = []
+        self._short, self._borrowed_for = [], set()
         assignments = {}
         for rank in lost:
             spare = self.spares.popleft()

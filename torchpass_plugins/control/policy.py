@@ -13,11 +13,10 @@ rank exit, coordinator side            CONFIG_ERROR: ABORT; UNRECOVERABLE: give 
                                        OK (not leaving for a migration): FINISHED; else REPLACE
 exit of a worker not yet joined        CONFIG_ERROR, or an error before the job started: ABORT; else
                                        NOTHING
-ranks lost in one batch                training complete: ABORT; more than spares: BORROW (--borrow),
-                                       WAIT (refill on and a wait set) or give up (restartable); else
+ranks lost in one batch                training complete: ABORT; more than spares: WAIT (refill on and
+                                       a wait set), BORROW (--borrow) or give up (restartable); else
                                        REPLACE
-no refilled (or borrowed) spare in     give up (restartable)
-time
+no refilled spare in time              BORROW (--borrow, not yet asked), else give up (restartable)
 give up (restartable)                  RESTART while restarts are left, else ABORT
 migration request (health)             job over / unknown worker: NOTHING; a spare: RETIRE; a migration
                                        under way or no spare: REFUSE; else MIGRATE
@@ -78,7 +77,8 @@ class Policy:
     straggler_migrate: bool = False  # move a straggler to a spare (else only log it)
     heartbeat_timeout: float = TimeoutConfig.heartbeat_s  # silence after which a worker or node is written off
     paths: int = 1  # network paths between the nodes (``--interfaces``)
-    borrow_wait_s: float = 0.0  # more ranks lost than spares free: borrow a lender's device, waiting this long
+    borrow: bool = False  # more ranks lost than spares free (and none refilled in time): borrow lenders' devices
+    borrow_wait_s: float = 0.0  # how long a borrowed device's worker may take to yield, start and join
 
     def give_up(self, message: str, restartable: bool) -> Decision:
         """A failure no spare can fix: restart while restarts are left, if a restart can get past it."""
@@ -128,15 +128,18 @@ class Policy:
                                           "the script's code after fit, or at exit); the job is not restarted")
         if len(lost) <= spares:
             return Decision(Action.REPLACE)
-        if self.borrow_wait_s > 0:
-            return Decision(Action.BORROW, f"{len(lost)} rank(s) lost, {spares} spare(s) free")
-        if self.refill and self.spare_wait_s > 0:
+        if self.refill and self.spare_wait_s > 0:  # a refill is a spare on its way: no lender disturbed for it
             return Decision(Action.WAIT, f"{len(lost)} rank(s) lost, {spares} spare(s) free")
+        if self.borrow:
+            return Decision(Action.BORROW, f"{len(lost)} rank(s) lost, {spares} spare(s) free")
         return self._too_few_spares(lost, spares, "")
 
-    def spares_not_refilled(self, lost: list[int], spares: int) -> Decision:
-        """The wait for refilled (or borrowed) workers ended with ranks still lacking a spare."""
-        wait = self.borrow_wait_s or self.spare_wait_s
+    def spares_not_refilled(self, lost: list[int], spares: int, *, borrowed: bool) -> Decision:
+        """The wait for refilled workers (``borrowed``: then for borrowed ones) ended with ranks still lacking a
+        spare: borrow, if this job may and has not yet, else give up."""
+        if self.borrow and not borrowed:
+            return Decision(Action.BORROW, f"no refilled worker joined within {self.spare_wait_s:g} s")
+        wait = self.borrow_wait_s if borrowed else self.spare_wait_s
         return self._too_few_spares(lost, spares, f" (none joined within {wait:g} s)")
 
     def _too_few_spares(self, lost: list[int], spares: int, waited: str) -> Decision:

@@ -151,10 +151,10 @@ def _refuse_loops_it_cannot_see(env: WorkerEnv) -> None:
 
         if backend != BACKEND:
             raise ConfigError(
-                f"torchpass: this script starts its own process group (init_process_group(backend={backend!r})) "
-                "in a loop torchpass cannot see: its ranks would not be the job's and a lost worker could not be "
-                "replaced. Train with Lightning (strategy='torchpass_ddp' or 'torchpass_fsdp') or with Accelerate "
-                "and TorchPass()." + protect)
+                f"torchpass: this process starts a process group of its own (init_process_group(backend={backend!r}), "
+                "from the script's loop or a strategy of Lightning's own), which torchpass cannot see: its ranks "
+                "would not be the job's and a lost worker could not be replaced. Train with Lightning "
+                "(strategy='torchpass_ddp' or 'torchpass_fsdp') or with Accelerate and TorchPass()." + protect)
         return init(backend, *args, **kwargs)
 
     before_accelerator(joined_before_accelerator)

@@ -36,6 +36,7 @@ class WorkerEnv:
     spares: int = 0  # the job's spares (what a protected job is told it has)
     snapshot_dir: str = ""  # ``--snapshot-dir``: the Trainer snapshots there with no callback in the script
     snapshot_every: int = 0
+    borrow: bool = False  # ``--borrow``: a rank lost with no spare free may go to a device borrowed from another job
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] = os.environ) -> WorkerEnv | None:

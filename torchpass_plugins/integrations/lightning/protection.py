@@ -20,6 +20,9 @@ OURS = ("torchpass_ddp", "torchpass_fsdp")
 # The strategies --protect replaces, by the name a Trainer asks for: Lightning's own multi-process ones, and
 # "auto", which is DDP on several devices (the launch has decided how many ranks the job has).
 REPLACED = {"ddp": "torchpass_ddp", "fsdp": "torchpass_fsdp", "auto": "torchpass_ddp"}
+# What a job of one active rank may ask for unprotected ("auto" on several GPUs is refused by the guard on
+# ``init_process_group``, which Lightning's DDP would then call).
+SINGLE_PROCESS = ("auto", "single_device", "single_xla")
 
 
 @dataclass
@@ -33,16 +36,18 @@ class Protection:
     snapshots: tuple[str, int] | None  # (where, every N steps) of the snapshots it writes, if any
     notes: list[str] = field(default_factory=list)
 
-    def line(self, spares: int) -> str:
+    def line(self, spares: int, borrow: bool = False) -> str:
         """The level of protection the job got, and why, in one line."""
         live = (f"a lost worker is replaced live by one of {spares} spare(s)" if spares else
                 "no spare (--spares 0): a lost worker restarts the job")
+        if borrow:
+            live += ", unless a device borrowed from a lending job (--borrow) takes its rank"
         if self.snapshots is not None:
             where, every = self.snapshots
             saved = (f"snapshots every {every} step(s) to {where}, resumed from after a restart" if every else
                      f"resumes from the newest snapshot in {where} (none written: --snapshot-every 0)")
         else:
-            saved = "no snapshots (--snapshot-dir): a restart begins again from step 0"
+            saved = "no snapshots (pass --snapshot-dir): a restart begins again from step 0"
         asked = f"Trainer(strategy={self.asked})" + (f" runs on {self.strategy}" if self.replaced else "")
         return "; ".join([f"torchpass: {asked}: {live}", saved, *self.notes])
 
@@ -79,12 +84,12 @@ def decide(arguments: dict[str, Any], env: WorkerEnv, callback_class: type) -> P
         raise ConfigError(f"torchpass launch --snapshot-dir: Trainer(strategy={written}) is not a torchpass strategy, "
                           "so its ranks cannot write the job's snapshots; add --protect (it replaces 'ddp', 'fsdp' "
                           "and 'auto') or use strategy='torchpass_ddp'")
-    elif env.world_size > 1:
-        raise ConfigError(f"torchpass launch started {env.world_size} active ranks, but Trainer(strategy={written}) "
+    elif env.world_size > 1 or name not in SINGLE_PROCESS:
+        raise ConfigError(f"torchpass launch started {env.world_size} active rank(s), but Trainer(strategy={written}) "
                           "does not take them (each would train alone, or start processes of its own): use "
                           "strategy='torchpass_ddp' or 'torchpass_fsdp', or launch with --protect to have it replaced")
     else:
-        return None  # one process and Lightning's own strategy: it runs as it is, as under a plain launch
+        return None  # one process and a one-device strategy: it runs as it is, as under a plain launch
     if not (env.protect or env.snapshot_dir):
         return None
     protection = Protection(dict(arguments, strategy=strategy), written, _named(strategy), strategy != asked, None)
@@ -132,7 +137,7 @@ def announce(protection: Protection) -> None:
     runtime = current_runtime()  # joined as the Trainer built its torchpass strategy
     if runtime.rank != 0 or runtime.phase is not Phase.ACTIVE:
         return
-    print(protection.line(runtime.env.spares), flush=True)
+    print(protection.line(runtime.env.spares, runtime.env.borrow), flush=True)
     where, every = protection.snapshots or ("", 0)
     runtime.events.emit("protection", rank=0, asked=protection.asked, strategy=protection.strategy,
                         spares=runtime.env.spares, snapshot_dir=where, snapshot_every=every)
