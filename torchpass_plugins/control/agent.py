@@ -15,7 +15,6 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch.distributed as dist
@@ -23,7 +22,7 @@ import torch.distributed as dist
 from torchpass_plugins.control.coordinator import Coordinator
 from torchpass_plugins.control.launch_config import LaunchConfig
 from torchpass_plugins.control.leadership import JournaledInbox, QueueInbox, candidacy
-from torchpass_plugins.control.lending import Loan, SlotLoans
+from torchpass_plugins.control.lending import SlotLoans
 from torchpass_plugins.control.links import LinkWatch
 from torchpass_plugins.control.membership import (
     StoreUnusable,
@@ -42,7 +41,6 @@ from torchpass_plugins.control.protocol import (
     LEAVING,
     RESTART_KEY,
     Exit,
-    Migrate,
     agent_beat_key,
     borrowed_key,
     evict_key,
@@ -52,27 +50,18 @@ from torchpass_plugins.control.protocol import (
     send,
 )
 from torchpass_plugins.control.silence import BeatClocks, watch_nodes
+from torchpass_plugins.control.slot_devices import Slot, SlotDevices
 from torchpass_plugins.control.worker_env import WorkerEnv
 from torchpass_plugins.control.zygote import Zygote, worker_command
 from torchpass_plugins.errors import with_prefix
-from torchpass_plugins.health.watch import Finding, HealthWatch
+from torchpass_plugins.health.watch import HealthWatch
 from torchpass_plugins.observe.events import EventLog
 from torchpass_plugins.observe.metrics import serve
 
 _TICK = 0.05
 
 
-@dataclass
-class _Slot:
-    index: int
-    incarnation: int = 0
-    proc: subprocess.Popen | None = None
-    worker_id: str = ""
-    lent_for: int | None = None  # the lending request its device was yielded to (its worker waits for it back)
-    loan: Loan | None = None  # a slot on a device borrowed from a lending job
-
-
-class Agent:
+class Agent(SlotDevices):
     """Supervises the workers of one node. Node 0's agent also hosts the store (a TCPStore) and the
     coordinator; with etcd, the agents elect which one coordinates."""
 
@@ -83,7 +72,7 @@ class Agent:
         token_seed = int(hashlib.sha256(self.token.encode()).hexdigest()[:8], 16)
         self.seed = config.seed if config.seed is not None else token_seed
         self.events = EventLog(Path(config.run_dir) / "events.jsonl", source=f"agent{config.node_rank}")
-        self.slots = [_Slot(config.first_slot + i) for i in range(config.nproc_per_node)]
+        self.slots = [Slot(config.first_slot + i) for i in range(config.nproc_per_node)]
         self._signal: int | None = None
         self.attempt = 0  # restarts of the whole job so far
         self.identity = secrets.token_hex(8)  # this agent among any that serve the node over the job
@@ -207,7 +196,7 @@ class Agent:
                 self._spawn(slot)
 
     # -- workers --------------------------------------------------------------------------------------
-    def _spawn(self, slot: _Slot) -> None:
+    def _spawn(self, slot: Slot) -> None:
         cfg = self.config
         slot.incarnation = next_incarnation(self._client, cfg.node_rank, slot.index)
         slot.worker_id = f"n{cfg.node_rank}-s{slot.index}-i{slot.incarnation}"
@@ -309,30 +298,7 @@ class Agent:
             print(f"torchpass: job ended without success: {outcome}", file=sys.stderr, flush=True)
         return 0 if outcome == "done" else 1
 
-    # -- device health --------------------------------------------------------------------------------
-    def _watched_devices(self) -> list[int]:
-        """Slot i uses GPU i (its workers' local rank): the devices of running workers not yet moved off."""
-        return [s.index for s in self.slots if s.proc is not None and s.index not in self.unhealthy and s.loan is None]
-
-    def _on_device(self, device: int, findings: list[Finding]) -> None:
-        """Log a warning, or ask the coordinator to move the slot's worker to a spare, as the policy decides."""
-        slot = next((s for s in self.slots if s.index == device), None)
-        if slot is None:
-            return  # (a borrowed slot, gone meanwhile)
-        for decision in self.policy.device_findings(findings):
-            if decision.action is Action.MIGRATE:
-                self._move_off(slot, decision.why)
-            else:
-                self.events.emit("health_warning", worker=slot.worker_id, device=slot.index, why=decision.why)
-
-    def _move_off(self, slot: _Slot, why: str) -> None:
-        self.unhealthy.add(slot.index)
-        self.events.emit("health_migrate", worker=slot.worker_id, device=slot.index, why=why)
-        print(f"torchpass: moving worker {slot.worker_id} off its device: {why}", file=sys.stderr, flush=True)
-        store = prefixed(self._client.clone(), self.attempt)  # this thread's own connection
-        send(store, Migrate(slot.worker_id, why))
-
-    def _check_heartbeat(self, slot: _Slot) -> None:
+    def _check_heartbeat(self, slot: Slot) -> None:
         evicted = evict_key(slot.worker_id)
         if self.store.check([evicted]):  # alive, but it stalled the others: replaced
             self.events.emit("worker_evicted", worker=slot.worker_id, why=self.store.get(evicted).decode())
@@ -346,23 +312,7 @@ class Agent:
         slot.proc.kill()
         slot.proc.wait()
 
-    # -- loans of devices between jobs -----------------------------------------------------------------
-    def _yield(self, slot: _Slot) -> None:
-        """A borrowing job takes this slot's device: its worker goes now (its job sees it lost)."""
-        slot.proc.kill()
-        slot.proc.wait()
-
-    def _start_borrowed(self, loan: Loan) -> None:
-        slot = _Slot(max(s.index for s in self.slots) + 1, loan=loan)  # (an index of no device of this job)
-        self.slots.append(slot)
-        self._spawn(slot)
-
-    def _drop_borrowed(self, slot: _Slot) -> None:
-        """The worker on a borrowed device is gone: the device goes back, the slot is no more."""
-        self.slots.remove(slot)
-        self.loans.give_back(slot.loan)
-
-    def _report_exit(self, slot: _Slot, code: int) -> None:
+    def _report_exit(self, slot: Slot, code: int) -> None:
         why = f"signal {-code}" if code < 0 else f"exit code {code}"
         self.events.emit("worker_exited", worker=slot.worker_id, code=code, why=why)
         send(self.store, Exit(slot.worker_id, code, why))

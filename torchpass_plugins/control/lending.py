@@ -190,7 +190,7 @@ def device_of(slot: int) -> str:
 class SlotLoans:
     """An agent's loans, tended at its supervision ticks: as a lender, the slots it yielded and gets back; as a
     borrower, the devices its coordinator asked for (borrowed on threads: a lender may take seconds). ``slots``
-    are the agent's ``_Slot``s (``lent_for``: the request a slot was yielded to; ``loan``: the loan a borrowed
+    are the agent's ``Slot``s (``lent_for``: the request a slot was yielded to; ``loan``: the loan a borrowed
     slot runs on)."""
 
     def __init__(self, *, lend: bool, borrow: bool, registry: str, yield_timeout: float, endpoint: str,
