@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from jobs import TRAIN, free_port, run
+from jobs import TRAIN, free_port, run, start
 
 from torchpass_plugins.control.membership import connect_store
 from torchpass_plugins.integrations.lightning import TorchPassDDPStrategy
@@ -156,5 +156,33 @@ def test_a_script_that_fails_before_joining_stops_the_job_instead_of_being_start
     assert codes == [1], job.output()[-3000:]
     assert "RuntimeError: the dataset is not where the script looks" in job.output()
     assert "exited with code 1 before the job started: its script failed before joining it" in job.output()
-    assert len(job.events("worker_started")) <= 3  # not started again and again
+    started = [e["slot"] for e in job.events("worker_started")]
+    assert max(started.count(slot) for slot in set(started)) <= 4  # not started again and again (at most 3 more)
+    assert job.leftovers() == []
+
+
+@pytest.mark.timeout(240)
+def test_a_refilled_slot_whose_script_fails_before_joining_is_not_started_again_and_again(tmp_path):
+    # The job's first workers train; every later one fails at its start (as a node whose local copy of the
+    # data was deleted would): the spare takes the lost rank, and the lost slot is tried three times, not more.
+    script = tmp_path / "fails_when_refilled.py"
+    script.write_text(
+        "import json, os, runpy, sys\n"
+        "if not json.loads(os.environ['TORCHPASS_WORKER'])['worker_id'].endswith('-i0'):\n"
+        "    sys.exit(3)\n"
+        f"sys.argv[0] = {str(TRAIN)!r}\n"
+        f"runpy.run_path({str(TRAIN)!r}, run_name='__main__')\n")
+    job = start(tmp_path, nproc=3, spares=1, script=script, faults="kill@rank=1,step=3,phase=boundary",
+                train_args=("--devices", "2", "--max-steps", "40", "--sleep-per-step", "0.2"))
+    try:
+        job.wait_until(lambda: job.events("refill_stopped"), "the lost slot to be given up")
+        job.full_speed()
+        codes = job.wait()
+    finally:
+        job.kill()
+    assert codes == [0], job.output()[-3000:]
+    [stopped] = job.events("refill_stopped")
+    assert "its last 3 workers failed before joining the job" in stopped["why"]
+    lost_slot = [e for e in job.events("worker_started") if e["slot"] == stopped["slot"]]
+    assert len(lost_slot) == 4  # the first worker, then three that failed at their start
     assert job.leftovers() == []

@@ -195,3 +195,10 @@ def test_a_job_that_may_borrow_waits_for_its_own_refill_first_then_borrows_then_
     assert late.action is A.RESTART and "(none joined within 50 s)" in late.why
     no_refill = Policy(refill=False, borrow=True, borrow_wait_s=50.0)
     assert no_refill.ranks_lost([1], 0, training_complete=False).action is A.BORROW  # at once
+
+
+def test_a_slot_whose_workers_keep_failing_before_joining_is_not_started_again():
+    policy = Policy(refill=True)
+    assert policy.worker_exited(1, job_done=False, device_healthy=True, failed_starts=2).action is A.REFILL
+    stopped = policy.worker_exited(1, job_done=False, device_healthy=True, failed_starts=3)
+    assert stopped.action is A.NOTHING and "its last 3 workers failed before joining the job" in stopped.why

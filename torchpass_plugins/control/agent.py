@@ -267,7 +267,13 @@ class Agent(SlotDevices):
                     self._drop_borrowed(slot)
                     continue
                 healthy = slot.index not in self.unhealthy and slot.lent_for is None
-                decision = self.policy.worker_exited(code, job_done=done, device_healthy=healthy)
+                joined = int(self.store.add(heartbeat_key(slot.worker_id), 0)) > 0  # (it beats once joined)
+                slot.failed_starts = slot.failed_starts + 1 if code > 0 and not joined else 0
+                decision = self.policy.worker_exited(code, job_done=done, device_healthy=healthy,
+                                                     failed_starts=slot.failed_starts)
+                if decision.why:
+                    self.events.emit("refill_stopped", slot=slot.index, why=decision.why)
+                    print(f"torchpass: slot {slot.index}: {decision.why}", file=sys.stderr, flush=True)
                 if decision.action is Action.ABORT:
                     print(f"torchpass: the job's coordinator at {self.endpoint} refused this node's workers "
                           f"({decision.why}): set the same TORCHPASS_JOIN_TOKEN on every node of the job",

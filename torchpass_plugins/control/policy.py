@@ -8,7 +8,8 @@ lost, a migration or straggler report, a stall verdict). Exit codes are interpre
 observation                            decision
 =====================================  =============================================================
 worker exit, agent side                REJECTED: ABORT (this node stops); a failure while refill is on,
-                                       the job runs and the device is healthy: REFILL; else NOTHING
+                                       the job runs, the device is healthy and the slot's last workers
+                                       did not all fail before joining: REFILL; else NOTHING
 rank exit, coordinator side            CONFIG_ERROR: ABORT; UNRECOVERABLE: give up (restartable);
                                        OK (not leaving for a migration): FINISHED; else REPLACE
 exit of a worker not yet joined        CONFIG_ERROR, or an error before the job started: ABORT; else
@@ -65,6 +66,7 @@ class Decision:
 
 
 NOTHING = Decision(Action.NOTHING)
+FAILED_STARTS = 3  # a slot whose workers failed this many times in a row before joining is not refilled
 
 
 @dataclass(frozen=True)
@@ -85,12 +87,16 @@ class Policy:
         return Decision(Action.RESTART if restartable and self.restarts_left > 0 else Action.ABORT, message)
 
     # -- exits --------------------------------------------------------------------------------------
-    def worker_exited(self, code: int, *, job_done: bool, device_healthy: bool) -> Decision:
-        """The agent saw one of its workers exit."""
+    def worker_exited(self, code: int, *, job_done: bool, device_healthy: bool, failed_starts: int = 0) -> Decision:
+        """The agent saw one of its workers exit; ``failed_starts``: how many of the slot's workers in a row
+        failed before joining the job (a slot whose script keeps failing so is not started again)."""
         if code == ExitCode.REJECTED:
             return Decision(Action.ABORT, "wrong join token")
         if code in (ExitCode.OK, ExitCode.CONFIG_ERROR, ExitCode.UNRECOVERABLE):
             return NOTHING  # done, or the job stops (or restarts every worker) anyway
+        if failed_starts >= FAILED_STARTS:
+            return Decision(Action.NOTHING, f"its last {failed_starts} workers failed before joining the job: the "
+                                            "slot is not started again (see their output)")
         return Decision(Action.REFILL) if self.refill and not job_done and device_healthy else NOTHING
 
     def unjoined_exited(self, code: int, worker: str, *, started: bool) -> Decision:

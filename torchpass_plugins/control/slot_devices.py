@@ -25,6 +25,7 @@ class Slot:
     worker_id: str = ""
     lent_for: int | None = None  # the lending request its device was yielded to (its worker waits for it back)
     loan: Loan | None = None  # a slot on a device borrowed from a lending job
+    failed_starts: int = 0  # its workers in a row that failed before joining the job
 
 
 class SlotDevices:
