@@ -187,10 +187,7 @@ class Agent(SlotDevices):
         self._kill_all()
         self._stop_coordinator()
         self._begin_attempt()
-        if self.loans is not None:  # a restart runs on the job's own slots
-            self.loans.new_attempt()
-            for slot in [s for s in self.slots if s.loan is not None]:
-                self._drop_borrowed(slot)
+        self._give_back_loans()
         for slot in self.slots:
             if slot.lent_for is None:
                 self._spawn(slot)
@@ -271,7 +268,7 @@ class Agent(SlotDevices):
                 slot.failed_starts = slot.failed_starts + 1 if code > 0 and not joined else 0
                 decision = self.policy.worker_exited(code, job_done=done, device_healthy=healthy,
                                                      failed_starts=slot.failed_starts)
-                if decision.why:
+                if decision.action is Action.NOTHING and decision.why:
                     self.events.emit("refill_stopped", slot=slot.index, why=decision.why)
                     print(f"torchpass: slot {slot.index}: {decision.why}", file=sys.stderr, flush=True)
                 if decision.action is Action.ABORT:

@@ -199,7 +199,6 @@ class SlotLoans:
         self.yield_timeout, self.borrowing = yield_timeout, borrow
         self.desk = LendingDesk(client.clone(), node) if lend else None
         self.listed = self.registry.enter(endpoint, node) if lend else None
-        self.borrowers: dict[int, int] = {}  # lent slots: request -> the borrowing agent's pid
         self.asked = 0  # devices the coordinator of this attempt asked this node to borrow, so far
         self.threads = 0  # borrowing threads started (numbered across attempts)
         self.pending: dict[int, float] = {}  # borrowing threads still out, by number: their deadlines
@@ -225,18 +224,16 @@ class SlotLoans:
             if slot is None:
                 self.desk.answer(request.number, None, "no slot of this node is running a worker on a healthy device")
                 continue
-            slot.lent_for, self.borrowers[request.number] = request.number, request.pid
+            slot.lent_for, device = request, device_of(slot.index)
             yield_slot(slot)
-            self.desk.answer(request.number, device_of(slot.index))
-            self.events.emit("slot_lent", slot=slot.index, device=device_of(slot.index), to=request.borrower)
+            self.desk.answer(request.number, device)
+            self.events.emit("slot_lent", slot=slot.index, device=device, to=request.borrower)
         for slot in slots:
-            lent_for = slot.lent_for
-            if lent_for is None:
+            if slot.lent_for is None:
                 continue
-            back = self.desk.given_back(lent_for)
-            if back or not _alive(self.borrowers[lent_for]):
+            back = self.desk.given_back(slot.lent_for.number)
+            if back or not _alive(slot.lent_for.pid):
                 slot.lent_for = None
-                del self.borrowers[lent_for]
                 self.events.emit("slot_returned", slot=slot.index,
                                  why="given back" if back else "the borrowing agent is gone")
                 start(slot)

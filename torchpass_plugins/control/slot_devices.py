@@ -8,7 +8,7 @@ import subprocess
 import sys
 from dataclasses import dataclass
 
-from torchpass_plugins.control.lending import Loan
+from torchpass_plugins.control.lending import Loan, Request
 from torchpass_plugins.control.membership import prefixed
 from torchpass_plugins.control.policy import Action
 from torchpass_plugins.control.protocol import Migrate, send
@@ -23,7 +23,7 @@ class Slot:
     incarnation: int = 0
     proc: subprocess.Popen | None = None
     worker_id: str = ""
-    lent_for: int | None = None  # the lending request its device was yielded to (its worker waits for it back)
+    lent_for: Request | None = None  # the request its device was yielded to (its worker waits for it back)
     loan: Loan | None = None  # a slot on a device borrowed from a lending job
     failed_starts: int = 0  # its workers in a row that failed before joining the job
 
@@ -64,6 +64,13 @@ class SlotDevices:
         slot = Slot(max(s.index for s in self.slots) + 1, loan=loan)  # (an index of no device of this job)
         self.slots.append(slot)
         self._spawn(slot)
+
+    def _give_back_loans(self) -> None:
+        """The job restarts, on its own slots: every borrowed device goes back."""
+        if self.loans is not None:
+            self.loans.new_attempt()
+            for slot in [s for s in self.slots if s.loan is not None]:
+                self._drop_borrowed(slot)
 
     def _drop_borrowed(self, slot: Slot) -> None:
         """The worker on a borrowed device is gone: the device goes back, the slot is no more."""
