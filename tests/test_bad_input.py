@@ -105,7 +105,7 @@ def test_a_node_with_the_wrong_join_token_is_refused_once_and_stops(tmp_path):
         intruder = agent(1, "wrong")
         out, _ = intruder.communicate(timeout=120)
         assert intruder.returncode == 1
-        assert "refused this node's workers (wrong join token)" in out and "TORCHPASS_JOIN_TOKEN" in out
+        assert "refused this node's workers: wrong join token: set the same TORCHPASS_JOIN_TOKEN" in out
         events = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
         assert [e["event"] for e in events].count("join_rejected") == 1  # not refilled, not retried
         assert node0.poll() is None  # the job still waits for its own second node

@@ -8,6 +8,7 @@ path the job prefers, and ``eth0``, which also carries the store), one bridge pe
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import time
@@ -20,7 +21,18 @@ from torchpass_plugins.control.coordinator import Coordinator
 from torchpass_plugins.control.links import PathTable, slow_paths
 from torchpass_plugins.control.membership import connect_store, prefixed
 from torchpass_plugins.control.policy import Action, Policy
-from torchpass_plugins.control.protocol import Exit, Join, LinkDown, Roster, join_key, roster_key, send
+from torchpass_plugins.control.protocol import (
+    ABORT_KEY,
+    Exit,
+    Join,
+    LinkDown,
+    Roster,
+    assign_key,
+    join_key,
+    node_paths_key,
+    roster_key,
+    send,
+)
 from torchpass_plugins.observe.events import EventLog, read_events
 from torchpass_plugins.testing.netns import Hosts
 
@@ -116,6 +128,41 @@ def test_the_policy_moves_the_job_to_the_next_path_not_failed_yet(path, current,
     assert (decision.action, decision.path) == expected
 
 
+@pytest.mark.parametrize(("paths", "started", "expected"), [
+    (2, False, Action.NOTHING), (2, True, Action.NOTHING),
+    (1, False, Action.ABORT),  # before the job starts: it stops, naming the node
+    (3, True, Action.REFUSE),  # a later spare of a node with other paths: refused, the job goes on
+])
+def test_every_node_needs_as_many_paths_as_the_coordinating_one(paths, started, expected):
+    decision = Policy(paths=2).node_paths(1, paths, started=started)
+    assert decision.action is expected
+    if expected is not Action.NOTHING:
+        assert decision.why == (f"node 1 has {paths} network path(s) (--interfaces) and the coordinating node 2: "
+                                "give every node the same interfaces, in the same order")
+
+
+def test_a_node_with_other_paths_stops_the_job_before_it_starts_and_a_later_one_is_refused(tmp_path):
+    store = prefixed(connect_store("127.0.0.1:0", is_master=True, timeout=30))
+    coordinator = Coordinator(store, "t", processes=2, world_size=2, events=EventLog(tmp_path / "events.jsonl"),
+                              policy=Policy(paths=2))
+    for node, paths in ((0, 2), (1, 1), (2, 3)):
+        store.set(node_paths_key(node), str(paths))
+    for worker in ("n0-s0-i0", "n1-s0-i0"):
+        store.set(join_key(worker), "t")
+        send(store, Join(worker))
+    coordinator.poll()
+    assert "node 1 has 1 network path(s)" in store.get(ABORT_KEY).decode()
+    assert [e["gen"] for e in read_events(tmp_path) if e["event"] == "roster_published"] == []
+
+    store, coordinator = _coordinator_at_generation_0(tmp_path / "later", ("n0-s0-i0", "n1-s0-i0"))
+    store.set(node_paths_key(2), "3")
+    store.set(join_key("n2-s0-i0"), "t")
+    send(store, Join("n2-s0-i0"))
+    coordinator.poll()
+    assert "node 2 has 3 network path(s)" in json.loads(store.get(assign_key("n2-s0-i0")))["reject"]
+    assert list(coordinator.spares) == [] and not store.check([ABORT_KEY])
+
+
 def _coordinator_at_generation_0(tmp_path, workers: tuple[str, ...]):
     """A coordinator of 2 ranks on 2 paths over a real store, every worker joined (the rest are spares)."""
     store = prefixed(connect_store("127.0.0.1:0", is_master=True, timeout=30))
@@ -206,6 +253,23 @@ def test_a_link_cut_for_good_is_routed_around_without_a_spare_and_the_job_is_bit
     assert len(job.applied(0)) == STEPS  # every step applied once: none recomputed
     # The shared fork server's children entered the hosts' namespaces (gloo found their eth1 and eth0).
     assert [e["shared"] for e in job.events("fork_server_started")] == [True] * 3
+
+
+@pytest.mark.timeout(120)
+def test_a_node_given_fewer_interfaces_than_the_others_stops_the_job_before_any_step(tmp_path):
+    with Hosts(2, paths=2) as hosts:
+        job = start(tmp_path, nproc=1, spares=0, nnodes=2, train_args=_TRAIN, hosts=hosts,
+                    launch_args=("--interfaces", hosts.interfaces()), node_args={1: ("--interfaces", "eth1")})
+        try:
+            codes = [agent.wait(timeout=90) for agent in job.agents]
+        finally:
+            job.kill()
+    assert codes == [1, 1], codes
+    aborted = job.events("job_aborted")
+    assert [e["message"] for e in aborted] == ["node 1 has 1 network path(s) (--interfaces) and the coordinating "
+                                               "node 2: give every node the same interfaces, in the same order"]
+    assert job.events("roster_published") == [] and job.applied(0) == []
+    assert "give every node the same interfaces" in job.logs[1].read_text()
 
 
 @pytest.mark.timeout(240)

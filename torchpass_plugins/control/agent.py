@@ -8,6 +8,7 @@ see), and by default starts a fresh worker in the freed slot, which joins the sp
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import secrets
 import signal
@@ -42,6 +43,7 @@ from torchpass_plugins.control.protocol import (
     RESTART_KEY,
     Exit,
     agent_beat_key,
+    assign_key,
     borrowed_key,
     evict_key,
     heartbeat_key,
@@ -134,7 +136,7 @@ class Agent(SlotDevices):
         comes back), and stand for coordinating it (``leadership``)."""
         cfg = self.config
         self.store = prefixed(self._client, self.attempt)
-        if serve_node(self.store, cfg.node_rank, self.identity):
+        if serve_node(self.store, cfg.node_rank, self.identity, max(1, len(cfg.interfaces))):
             self.events.emit("node_rejoined", node=cfg.node_rank)
         self.policy = Policy(restarts_left=cfg.max_restarts - self.attempt, spare_wait_s=cfg.spare_wait,
                              refill=cfg.refill, straggler_migrate=cfg.straggler_migrate,
@@ -272,9 +274,9 @@ class Agent(SlotDevices):
                     self.events.emit("refill_stopped", slot=slot.index, why=decision.why)
                     print(f"torchpass: slot {slot.index}: {decision.why}", file=sys.stderr, flush=True)
                 if decision.action is Action.ABORT:
-                    print(f"torchpass: the job's coordinator at {self.endpoint} refused this node's workers "
-                          f"({decision.why}): set the same TORCHPASS_JOIN_TOKEN on every node of the job",
-                          file=sys.stderr, flush=True)
+                    answer = json.loads(self.store.get(assign_key(slot.worker_id)))
+                    print(f"torchpass: the job's coordinator at {self.endpoint} refused this node's workers: "
+                          f"{answer.get('reject', decision.why)}", file=sys.stderr, flush=True)
                     return 1
                 next_check = 0.0  # look at the verdict soon after an exit
                 if decision.action is Action.REFILL:

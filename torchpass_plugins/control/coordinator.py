@@ -45,6 +45,7 @@ from torchpass_plugins.control.protocol import (
     decode,
     evict_key,
     join_key,
+    node_paths_key,
     roster_change_key,
     roster_key,
     send,
@@ -59,6 +60,9 @@ from torchpass_plugins.observe.events import EventLog, HeldEvents
 # replaced by one roster.
 _PHASE = {Join: 0, Migrate: 1, Straggler: 1, LeftForMigration: 1, Stalled: 2, StallVerdict: 2, SpareDeadline: 2,
           Exit: 2, NodeLost: 2, LinkDown: 2, Stop: 3}
+
+
+_WRONG_TOKEN = "wrong join token: set the same TORCHPASS_JOIN_TOKEN on every node of the job"
 
 
 @dataclass
@@ -168,8 +172,10 @@ class Coordinator(SparePool):
 
     def _on_join(self, worker_id: str) -> None:
         if self.store.get(join_key(worker_id)).decode() != self.token:
-            self.store.set(assign_key(worker_id), json.dumps({"reject": "wrong join token"}))
+            self.store.set(assign_key(worker_id), json.dumps({"reject": _WRONG_TOKEN}))
             self.events.emit("join_rejected", worker=worker_id)
+            return
+        if self._refused_for_its_paths(worker_id):
             return
         if self.gen < 0:
             self._waiting.append(worker_id)
@@ -187,6 +193,20 @@ class Coordinator(SparePool):
                 self._give_back_borrowed()
         else:
             self.store.set(assign_key(worker_id), json.dumps({"exit": self.outcome}))
+
+    def _refused_for_its_paths(self, worker_id: str) -> bool:
+        """A worker whose node has another number of network paths than this one: the job stops before it
+        starts, or the worker, a later spare, is refused."""
+        node = slot_order(worker_id)[0]
+        if not self.store.check([node_paths_key(node)]):
+            return False  # (an agent that has not said: in-process tests)
+        decision = self.policy.node_paths(node, int(self.store.get(node_paths_key(node))), started=self.gen >= 0)
+        if decision.action is Action.ABORT:
+            self._stop_job(decision)
+        elif decision.action is Action.REFUSE:
+            self.store.set(assign_key(worker_id), json.dumps({"reject": decision.why}))
+            self.events.emit("join_rejected", worker=worker_id, why=decision.why)
+        return decision.action is not Action.NOTHING
 
     def _on_exit(self, worker_id: str, code: int, why: str, lost: list[int]) -> None:
         if self.moving is not None and worker_id in (self.moving.worker, self.moving.spare):

@@ -40,6 +40,7 @@ from torchpass_plugins.control.protocol import (
     join_key,
     node_agent_key,
     node_lost_key,
+    node_paths_key,
     reached_key,
     roster_change_key,
     roster_key,
@@ -120,13 +121,14 @@ def current_attempt(store: dist.Store) -> int:
     return attempt
 
 
-def serve_node(store: dist.Store, node: int, identity: str) -> bool:
-    """Make agent ``identity`` the one serving ``node``; True if the job had written the node off and this
-    agent brings it back (unwatched until it beats, as at the start)."""
+def serve_node(store: dist.Store, node: int, identity: str, paths: int) -> bool:
+    """Make agent ``identity``, with ``paths`` network paths, the one serving ``node``; True if the job had
+    written the node off and this agent brings it back (unwatched until it beats, as at the start)."""
     rejoined = store.check([node_lost_key(node)])
     if rejoined:
         store.delete_key(agent_beat_key(node))
         store.delete_key(node_lost_key(node))
+    store.set(node_paths_key(node), str(paths))
     store.set(node_agent_key(node), identity)
     return rejoined
 

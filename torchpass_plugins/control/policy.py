@@ -24,6 +24,8 @@ migration request (health)             job over / unknown worker: NOTHING; a spa
 straggler report                       MIGRATE if stragglers migrate, else WARN (already logged)
 stall verdict                          the silent ranks: EVICT; none silent: give up (restartable)
 heartbeat / node agent silent          longer than the heartbeat timeout: EVICT; else NOTHING
+a node's worker joins                  its node's paths differ from the coordinator's: ABORT before
+                                       the job starts, REFUSE (the worker) after; else NOTHING
 link down past the grace               on the roster's path: REROUTE to the next path not failed yet;
                                        no such path, or another path: NOTHING
 device findings (in order)             degraded: WARN; the first critical: MIGRATE, and stop there
@@ -91,7 +93,7 @@ class Policy:
         """The agent saw one of its workers exit; ``failed_starts``: how many of the slot's workers in a row
         failed before joining the job (a slot whose script keeps failing so is not started again)."""
         if code == ExitCode.REJECTED:
-            return Decision(Action.ABORT, "wrong join token")
+            return Decision(Action.ABORT, "the coordinator refused this node's worker (see its output)")
         if code in (ExitCode.OK, ExitCode.CONFIG_ERROR, ExitCode.UNRECOVERABLE):
             return NOTHING  # done, or the job stops (or restarts every worker) anyway
         if failed_starts >= FAILED_STARTS:
@@ -192,6 +194,17 @@ class Policy:
         if not left:
             return Decision(Action.NOTHING, f"path {path} failed and no other path is left")
         return Decision(Action.REROUTE, f"path {path} failed", path=left[0])
+
+    def node_paths(self, node: int, paths: int, *, started: bool) -> Decision:
+        """A worker of ``node``, whose agent has ``paths`` network paths, joins. Every node needs this (the
+        coordinating) node's count: a reroute moves every collective to path ``p`` at once. Before the job
+        starts: ABORT, a launch mistake that no spare or restart fixes; a spare of a node that joins later
+        (a replacement node): REFUSE it, the job goes on without that node."""
+        if paths == self.paths:
+            return NOTHING
+        why = (f"node {node} has {paths} network path(s) (--interfaces) and the coordinating node {self.paths}: "
+               "give every node the same interfaces, in the same order")
+        return Decision(Action.REFUSE if started else Action.ABORT, why)
 
     # -- detectors ------------------------------------------------------------------------------------
     def silence(self, silent_s: float) -> Decision:

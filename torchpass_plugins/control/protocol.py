@@ -113,6 +113,12 @@ def node_agent_key(node: int) -> str:
     return f"node_agent/{node}"
 
 
+def node_paths_key(node: int) -> str:
+    """How many network paths the agent serving ``node`` has (its ``--interfaces``; 1 without): the
+    coordinator compares them before the job starts and when a node's spare joins."""
+    return f"node_paths/{node}"
+
+
 def incarnations_key(node: int, slot: int) -> str:
     """Counts the workers started in a slot over the whole job (every attempt, every agent of the node), so
     that a worker's name is never used twice."""

@@ -220,11 +220,13 @@ def start(
     script: Path = TRAIN,
     node_0_first: str | None = None,
     hosts: Hosts | None = None,
+    node_args: dict[int, tuple[str, ...]] | None = None,
 ) -> Job:
     """Start the agents of one job (``nnodes`` simulated nodes on this machine). ``node_0_first``: an event
     node 0 must have logged before the other nodes start (``coordinator_elected``: it coordinates; on a busy
     machine a later node's agent may otherwise win the election). ``hosts``: node ``i`` runs in network
-    namespace ``i`` of these, node 0's store at its path-0 address."""
+    namespace ``i`` of these, node 0's store at its path-0 address. ``node_args``: launcher options of one node
+    only, after ``launch_args`` (the last of an option repeated wins)."""
     env = {**os.environ, **JOB_ENVIRONMENT, "TORCHPASS_FAULTS": faults, "TORCHPASS_JOIN_TOKEN": "test-token"}
     env.pop(WORKER_VARIABLE, None)
     job = Job(run_dir)
@@ -237,7 +239,7 @@ def start(
         cmd = [
             sys.executable, "-m", "torchpass_plugins.cli", "launch", "--nproc-per-node", str(nproc),
             "--nnodes", str(nnodes), "--node-rank", str(node), "--rdzv-endpoint", endpoint,
-            "--spares", str(spares), "--run-dir", str(run_dir), *launch_args,
+            "--spares", str(spares), "--run-dir", str(run_dir), *launch_args, *(node_args or {}).get(node, ()),
             str(script), "--out", str(run_dir / "out"), *train_args,
         ]  # fmt: skip
         if hosts is not None:
