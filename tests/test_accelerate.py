@@ -98,6 +98,26 @@ def test_gradient_accumulation_set_for_accelerate_reaches_the_job_unchanged(tmp_
         assert job.applied(rank) == expected.applied(rank) == list(range(STEPS // 2)), f"rank {rank}"
 
 
+@pytest.mark.timeout(300)
+def test_a_loop_that_lost_more_workers_than_spares_resumes_from_the_launchs_snapshot_bit_exactly(tmp_path,
+                                                                                                failure_free):
+    """No spare: the loss restarts the job, which resumes mid-pass from the newest snapshot every rank
+    verifies (the script's own ``Best`` with the rest) and ends with the failure-free run's full state."""
+    snapshots = tmp_path / "snapshots"
+    job, codes = run(tmp_path, nproc=3, spares=0, script=EXAMPLE, faults="kill@rank=1,step=11,phase=reduce",
+                     launch_args=("--snapshot-dir", str(snapshots), "--snapshot-every", "3", "--spare-wait", "0"))
+    assert codes == [0], job.output()[-4000:]
+    assert len(job.events("job_restarting")) == 1
+    resumed = {e["step"] for e in job.events("snapshot_resumed")}
+    assert len(resumed) == 1 and resumed <= {6, 9}, resumed  # 6 if rank 1 died before 9 landed
+    assert len(job.events("snapshot_resumed")) == 3  # every rank
+    [step] = resumed
+    assert f"torchpass: resuming from the snapshot of step {step} in {snapshots}" in job.output()
+    assert job.final()["applied"] == STEPS
+    assert_same_state(job, failure_free)
+    assert {e["step"] for e in job.events("snapshot_committed")} >= {3, 6, 12, 15}
+
+
 def assert_same_state(job: Job, expected: Job) -> None:
     """Every rank's model, optimizer, scheduler, the script's own state and RNG, as in ``expected``."""
     for rank in range(3):

@@ -340,3 +340,32 @@ def test_every_trainer_and_accelerator_built_is_seen_before_it_initializes_anyth
     assert done.stdout.strip().splitlines()[-1] == (
         "[{'logger': False, 'accelerator': 'cpu', 'strategy': 'auto', 'enable_progress_bar': False}, 7, "
         "'accelerator']"), done.stdout + done.stderr
+
+
+def test_what_accelerate_prepares_and_each_pass_over_a_prepared_loader_are_seen():
+    """The prepared objects reach the hook before the script; a pass over the loader goes through ``passes``
+    (whose ``plain()`` yields what Accelerate would), another loader and Accelerate's skipping copy do not."""
+    script = ("import torch\n"
+              "from torch.utils.data import DataLoader\n"
+              "from accelerate import Accelerator\n"
+              "from torchpass_plugins._compat.accelerate import after_prepare, is_prepared_loader, iterate_through\n"
+              "seen = []\n"
+              "def passes(loader, plain):\n"
+              "    seen.append('pass')\n"
+              "    return plain()\n"
+              "def prepared(accelerator, objects):\n"
+              "    seen.append([type(o).__name__ for o in objects])\n"
+              "    iterate_through(objects[0], passes)\n"
+              "accelerator = Accelerator(cpu=True)\n"
+              "after_prepare(prepared)\n"
+              "ours, other = accelerator.prepare(DataLoader(list(range(6)), batch_size=2),\n"
+              "                                  DataLoader(list(range(4)), batch_size=2))\n"
+              "assert is_prepared_loader(ours) and not is_prepared_loader([])\n"
+              "batches = [b.tolist() for b in ours] + [b.tolist() for b in ours]\n"
+              "assert batches == [[0, 1], [2, 3], [4, 5]] * 2, batches\n"
+              "assert [b.tolist() for b in other] == [[0, 1], [2, 3]]\n"
+              "assert [b.tolist() for b in accelerator.skip_first_batches(ours, 1)] == [[2, 3], [4, 5]]\n"
+              "print(seen)\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.stdout.strip().splitlines()[-1] == "[['DataLoaderShard', 'DataLoaderShard'], 'pass', 'pass']", (
+        done.stdout + done.stderr)

@@ -18,9 +18,9 @@ from conftest import STEPS
 from jobs import run
 
 from torchpass_plugins.errors import ConfigError
-from torchpass_plugins.integrations.lightning.callback import _refuse_another_jobs
 from torchpass_plugins.integrations.lightning.state_parts import ResumedSnapshot
 from torchpass_plugins.observe.events import EventLog, read_events
+from torchpass_plugins.storage.snapshot_parts import refuse_another_jobs
 from torchpass_plugins.storage.snapshot_store import (
     Manifest,
     SnapshotAbandoned,
@@ -289,8 +289,8 @@ def test_a_snapshot_of_another_model_is_refused():
     manifest = Manifest(3, world_size=2, seed=0, files={}, created=0.0, model=model_fingerprint(theirs))
     assert model_fingerprint(ours) == model_fingerprint(torch.nn.Linear(4, 2))  # values do not matter
     with pytest.raises(ConfigError, match=r"another job .*a model whose parameters have other names, shapes"):
-        _refuse_another_jobs(manifest, "s3://b/x", model=model_fingerprint(ours))
-    _refuse_another_jobs(replace(manifest, model=model_fingerprint(ours)), "s3://b/x", model_fingerprint(ours))
+        refuse_another_jobs(manifest, "s3://b/x", model=model_fingerprint(ours))
+    refuse_another_jobs(replace(manifest, model=model_fingerprint(ours)), "s3://b/x", model_fingerprint(ours))
 
 
 @pytest.fixture

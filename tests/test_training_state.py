@@ -19,7 +19,8 @@ from torchpass_plugins.core.training_state import (
     capture,
 )
 from torchpass_plugins.errors import ConfigError
-from torchpass_plugins.integrations.lightning.state_parts import ResumedSnapshot, snapshot_values
+from torchpass_plugins.integrations.lightning.state_parts import ResumedSnapshot
+from torchpass_plugins.storage.snapshot_parts import snapshot_values
 from torchpass_plugins.storage.snapshot_store import SnapshotStore
 
 

@@ -11,21 +11,9 @@ from pathlib import Path
 
 import lightning as L
 import torch
+from noisy_data import Noisy
 from torch import nn
-from torch.utils.data import DataLoader, Dataset
-
-
-class Noisy(Dataset):
-    def __init__(self, samples: int = 384, features: int = 12) -> None:
-        g = torch.Generator().manual_seed(11)
-        self.x = torch.randn(samples, features, generator=g)
-        self.y = (self.x @ torch.randn(features, 3, generator=g)).argmax(dim=1)
-
-    def __len__(self) -> int:
-        return len(self.x)
-
-    def __getitem__(self, i: int):
-        return self.x[i] + 0.05 * torch.randn_like(self.x[i]), self.y[i]
+from torch.utils.data import DataLoader
 
 
 class Net(L.LightningModule):
@@ -70,7 +58,7 @@ def main() -> None:
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
     model = Net(args.sleep_per_step, args.sleep_until, args.out)
-    loader = DataLoader(Noisy(), batch_size=8, shuffle=True, num_workers=2)
+    loader = DataLoader(Noisy(384), batch_size=8, shuffle=True, num_workers=2)
     trainer = L.Trainer(accelerator="cpu", strategy=args.strategy,
                         devices=int(args.devices) if args.devices.isdigit() else args.devices,
                         max_steps=args.max_steps, logger=False, enable_checkpointing=False,

@@ -1,5 +1,6 @@
-"""Accelerate's ``Accelerator``, reached before a script builds one (checked against accelerate 1.x:
-``tests/test_compat.py`` fails when its import path changes).
+"""Accelerate's ``Accelerator`` and prepared loaders, reached from outside a script: before it builds an
+Accelerator, after it prepares objects, as it iterates a loader (checked against accelerate 1.x:
+``tests/test_compat.py`` fails when these change).
 
 The module is patched as it is imported (at once if it is already), so a worker whose script never uses
 Accelerate does not pay its import."""
@@ -9,7 +10,7 @@ from __future__ import annotations
 import functools
 import importlib.abc
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from types import ModuleType
 from typing import Any
 
@@ -34,6 +35,49 @@ def before_accelerator(check: Callable[[], None]) -> None:
         patch(sys.modules[MODULE])
     else:
         sys.meta_path.insert(0, _AfterImport(MODULE, patch))
+
+
+def after_prepare(then: Callable[[Any, tuple], None]) -> None:
+    """Call ``then(accelerator, prepared)`` with what each ``accelerator.prepare`` of this process returns
+    (as a tuple), before the script gets it. The module is imported: an Accelerator is being built."""
+    accelerator_class = sys.modules[MODULE].Accelerator
+    prepare = accelerator_class.prepare
+
+    @functools.wraps(prepare)
+    def prepare_then(self: Any, *args: Any, **kwargs: Any) -> Any:
+        result = prepare(self, *args, **kwargs)
+        then(self, result if isinstance(result, tuple) else (result,))
+        return result
+
+    accelerator_class.prepare = prepare_then
+
+
+def is_prepared_loader(obj: Any) -> bool:
+    from accelerate.data_loader import DataLoaderShard
+
+    return isinstance(obj, DataLoaderShard)
+
+
+def iterate_through(loader: Any, passes: Callable[[Any, Callable[[], Iterator]], Iterator]) -> None:
+    """Each ``iter(loader)`` (a prepared loader's pass) returns ``passes(loader, plain)``, where ``plain()``
+    iterates it as Accelerate does. ``iter`` looks ``__iter__`` up on the type (and a prepared loader's
+    ``__class__`` is read-only), so the class's method asks each instance for its own; other instances, and
+    the copies Accelerate makes (``skip_first_batches``), iterate as before."""
+    loader_class = type(loader)
+    if not hasattr(loader_class.__iter__, "_torchpass_plain"):
+        plain_iter = loader_class.__iter__
+
+        @functools.wraps(plain_iter)
+        def __iter__(self: Any) -> Iterator:
+            own = self.__dict__.get(_PASSES)
+            return plain_iter(self) if own is None else own(self, lambda: plain_iter(self))
+
+        __iter__._torchpass_plain = plain_iter
+        loader_class.__iter__ = __iter__
+    loader.__dict__[_PASSES] = passes
+
+
+_PASSES = "_torchpass_passes"
 
 
 class _AfterImport(importlib.abc.MetaPathFinder):

@@ -11,6 +11,7 @@ import functools
 import os
 import runpy
 import sys
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -30,6 +31,7 @@ _OTHER_LAUNCHERS = {
 _RUNTIME: Runtime | None = None
 _exit_code = 0  # the worker's, once its script has ended (see run_as_worker)
 _TIMEOUT: tuple[timedelta, bool] | None = None  # the runtime's collective timeout; whether it was the default
+_AT_SCRIPT_END: list[Callable[[], None]] = []  # run once the script returned (a loop torchpass saw ends there)
 
 
 class NotUnderTorchPass(RuntimeError):
@@ -101,6 +103,8 @@ def run_as_worker(argv: list[str]) -> int:
             sys.argv = list(argv)
             sys.path[0] = str(Path(argv[0]).resolve().parent)
             runpy.run_path(argv[0], run_name="__main__")
+        for finish in _AT_SCRIPT_END:
+            finish()
         _exit_code = 0
     except SystemExit as exc:
         _exit_code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
@@ -132,11 +136,15 @@ def _refuse_loops_it_cannot_see(env: WorkerEnv) -> None:
 
     from torchpass_plugins._compat.accelerate import before_accelerator
 
-    protect = (" --protect protects Lightning Trainers with no code change; it cannot see inside a hand-written "
-               "loop." if env.protect else "")
+    protect = (" --protect protects Lightning Trainers and Accelerate loops with no code change; it cannot see "
+               "inside another hand-written loop." if env.protect else "")
 
     def joined_before_accelerator() -> None:
-        if _RUNTIME is None:
+        if _RUNTIME is None and env.protect:  # snapshots and resume, without the loop's four lines
+            from torchpass_plugins.integrations.accelerate.implicit import protect as protect_loop
+
+            protect_loop(_AT_SCRIPT_END)
+        elif _RUNTIME is None:
             raise ConfigError(
                 "torchpass: `torchpass launch` started this process, but its Accelerator is built before any "
                 "TorchPass(), so it does not join the job: its ranks would train as unrelated processes. Add "

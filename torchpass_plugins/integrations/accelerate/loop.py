@@ -28,6 +28,7 @@ script runs unprotected, after one warning that the loss of a worker will end th
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import warnings
@@ -41,13 +42,15 @@ from torch import nn
 from torchpass_plugins.config import in_torchpass_worker
 from torchpass_plugins.core import default_group
 from torchpass_plugins.core.backends import communicate_on, slot_gpu
+from torchpass_plugins.core.buffer_sync import BufferSync
 from torchpass_plugins.core.default_group import RetryingGroup
 from torchpass_plugins.core.grad_buckets import GradientBuckets
 from torchpass_plugins.core.runtime import Runtime
-from torchpass_plugins.core.training_state import OWN, TRAINER, Held, Stateful
+from torchpass_plugins.core.training_state import OWN, TRAINER, Held, ModelState, Stateful
 from torchpass_plugins.core.tree import tensors_in
 from torchpass_plugins.errors import ConfigError
 from torchpass_plugins.integrations.accelerate.prepared import check_layout, check_loader, seed_loader
+from torchpass_plugins.integrations.accelerate.snapshots import LoopSnapshots
 from torchpass_plugins.testing import faults
 from torchpass_plugins.weights.rank_zero import RankZeroPublishing
 
@@ -78,7 +81,8 @@ class TorchPass:
     def __init__(self, seed: int | None = None, timeout: timedelta | float | None = None,
                  process_group_backend: str | None = None, publish_weights: str | None = None,
                  publish_every_n_steps: int = 1, publish_dtype: str | None = None,
-                 publish_storage: str | None = None) -> None:
+                 publish_storage: str | None = None, snapshot_dir: str | None = None,
+                 snapshot_every_n_steps: int = 0) -> None:
         """``seed``: the job seed of the per-step random streams (dropout, ...); pass the seed given to
         ``set_seed`` so that runs launched apart draw the same numbers (default: ``--seed`` of the launch,
         else one derived from the job's token). ``process_group_backend``: for CUDA tensors, where a GPU is
@@ -86,7 +90,9 @@ class TorchPass:
         as a ``timedelta`` or seconds (default: ``torchpass.timeouts.collective_s``). ``publish_weights``
         (``tcp://HOST:PORT``), ``publish_every_n_steps``, ``publish_dtype``, ``publish_storage``: logical
         rank 0 serves versions of the tracked model's weights to subscribers, as ``TorchPassCallback``'s
-        arguments of those names."""
+        arguments of those names. ``snapshot_dir`` (a path or fsspec URL), ``snapshot_every_n_steps``:
+        background snapshots of the tracked state, resumed from when the job starts again (default: the
+        launch's ``--snapshot-dir`` and ``--snapshot-every``)."""
         self.active = in_torchpass_worker()
         self.publishing = (RankZeroPublishing(publish_weights, publish_every_n_steps, publish_dtype, publish_storage)
                            if publish_weights else None)
@@ -97,6 +103,7 @@ class TorchPass:
         self._iteration, self._consumed = 0, 0  # the data position: loader pass, batches taken in it
         self._step_open = False
         self._reduced = False
+        self.snapshots: LoopSnapshots | None = None
         if not self.active:
             warnings.warn(UNPROTECTED + (" Weights are published only under it." if publish_weights else ""),
                           UnprotectedRunWarning, stacklevel=2)
@@ -104,11 +111,9 @@ class TorchPass:
         from torchpass_plugins.control.worker import current_runtime
         from torchpass_plugins.control.worker_env import WorkerEnv
 
-        snapshot_dir = WorkerEnv.from_env().snapshot_dir
-        if snapshot_dir:  # (refused before joining: a spare would wait there for good)
-            raise ConfigError(f"torchpass launch --snapshot-dir {snapshot_dir}: an Accelerate loop writes no "
-                              "snapshots yet (its lost workers are replaced live by spares); launch it without "
-                              "--snapshot-dir")
+        env = WorkerEnv.from_env()
+        self._snapshot_to = ((snapshot_dir, snapshot_every_n_steps) if snapshot_dir else
+                             (env.snapshot_dir, env.snapshot_every) if env.snapshot_dir else None)
         rt = self.runtime = current_runtime(timeout)
         if seed is not None:
             rt.seed_override = seed
@@ -156,7 +161,7 @@ class TorchPass:
             if not (_stateful(obj) or isinstance(obj, DataLoaderShard)):
                 raise ConfigError(f"torchpass: track({name}=...) has no state_dict/load_state_dict to hand over")
         self.accelerator, self.loader = accelerator, loaders[0]
-        self._objects = {name: accelerator.unwrap_model(o) if isinstance(o, nn.Module) else o
+        self.objects = {name: accelerator.unwrap_model(o) if isinstance(o, nn.Module) else o
                          for name, o in objects.items() if o is not self.loader}
         for model in models:
             if isinstance(model, nn.parallel.DistributedDataParallel):
@@ -167,10 +172,19 @@ class TorchPass:
         inner = optimizers[0].optimizer if hasattr(optimizers[0], "optimizer") else optimizers[0]
         inner.register_step_pre_hook(self._before_optimizer_step)
         inner.register_step_post_hook(self._after_optimizer_step)
+        # Every rank takes rank 0's buffers at each step's commit, as DDP's forward would have broadcast them.
+        self.runtime.buffer_sync = BufferSync([(f"{name}.{key}", buffer) for name, module in self.objects.items()
+                                               if isinstance(module, nn.Module)
+                                               for key, buffer in module.named_buffers()])
         self._tracked = True
-        if self._pending is not None:
+        if self._snapshot_to is not None:
+            self.snapshots = LoopSnapshots(self, *self._snapshot_to)
+        if self._pending is not None:  # a spare: the state it received
             self._adopt(self._pending)
             self._pending = None
+        elif self.snapshots is not None:
+            self.snapshots.resume()
+        self.runtime.buffer_sync.mark_boundary()
         if self.publishing is not None:
             self._start_publishing(models, optimizers)
 
@@ -195,9 +209,15 @@ class TorchPass:
             return
         self._require_tracked()
         yield from range(self._iteration, count)
+        self._end_training()
+
+    def _end_training(self) -> None:
+        """Every rank has finished training: the last weights published, the snapshot in flight landed."""
         step = self.applied
         if self.publishing is not None:
             self.publishing.at_end(self.runtime.rank, step, self._published, self.runtime.events)
+        if self.snapshots is not None:
+            self.snapshots.close()
         if self.runtime.last_boundary != step:
             self.runtime.boundary(step)
         self.runtime.collective(lambda t: t.barrier(), None)
@@ -216,7 +236,7 @@ class TorchPass:
         source = self.loader
         if self._consumed:  # a spare resumes mid-pass: the sampler skips what its predecessor took
             source = self.accelerator.skip_first_batches(self.loader, self._consumed)
-        batches = iter(source)
+        batches = self._pass_of(source)
         while True:
             # Fetch, then mark the boundary: a pass's first fetch draws its base seed from the global
             # generator, which the boundary then reseeds, so no step's random stream depends on where a
@@ -234,6 +254,10 @@ class TorchPass:
         self._iteration, self._consumed = self._iteration + 1, 0
         self.loader.iteration = self._iteration
 
+    def _pass_of(self, loader: Iterable[Any]) -> Iterator[Any]:
+        """One pass of ``loader`` as the loop would take it."""
+        return iter(loader)
+
     # -- hooks --------------------------------------------------------------------------------------------
     def _boundary(self) -> None:
         rt = self.runtime
@@ -242,6 +266,8 @@ class TorchPass:
             rt.carry_out_drain(self.applied)
         if self.publishing is not None:
             self.publishing.at_boundary(rt.rank, self.applied, self._published, rt.events)
+        if self.snapshots is not None:
+            self.snapshots.at_boundary(self.applied)
 
     def _wrap_backward(self, accelerator: Any) -> None:
         original = accelerator.backward
@@ -266,6 +292,8 @@ class TorchPass:
                 "torchpass: the optimizer stepped before the gradients were reduced; compute them with "
                 "accelerator.backward(loss) (inside accelerator.accumulate(model) when accumulating)"
             )
+        if self.snapshots is not None:
+            self.snapshots.before_optimizer_step()
 
     def _after_optimizer_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         self._reduced = self._step_open = False
@@ -288,10 +316,22 @@ class TorchPass:
         promoted before it tracks anything hands on what it received)."""
         if self._pending is not None:
             return {name: Held(values) for name, values in self._pending.items()}
-        return {**self._objects, TRAINER: _LoopState(self)}
+        return {**{name: ModelState(obj, at_boundary=functools.partial(self.boundary_buffers, name))
+                   if isinstance(obj, nn.Module) else obj for name, obj in self.objects.items()},
+                TRAINER: self.loop_state()}
+
+    def boundary_buffers(self, name: str) -> dict[str, torch.Tensor]:
+        """The buffers of tracked model ``name`` as of the last step boundary (the live ones have moved on
+        with the step's forward)."""
+        prefix = f"{name}."
+        return {key.removeprefix(prefix): value for key, value in self.runtime.buffer_sync.boundary_values().items()
+                if key.startswith(prefix)}
+
+    def loop_state(self) -> _LoopState:
+        return _LoopState(self)
 
     def state_tensors(self) -> list[torch.Tensor]:
-        return tensors_in([obj.state_dict() for obj in self._objects.values()]) if self._tracked else []
+        return tensors_in([obj.state_dict() for obj in self.objects.values()]) if self._tracked else []
 
     def load_state(self, values: dict[str, Any]) -> None:
         self.applied = values[TRAINER]["applied"]
@@ -301,12 +341,13 @@ class TorchPass:
             self._pending = values
 
     def _adopt(self, values: dict[str, Any]) -> None:
-        missing = set(self._objects) - set(values)
+        missing = set(self.objects) - set(values)
         if missing:
             raise ConfigError(f"torchpass: the peers track no state for {sorted(missing)}; track the same names")
-        for name, obj in self._objects.items():
+        for name, obj in self.objects.items():
             obj.load_state_dict(values[name])
-        _LoopState(self).load_state_dict(values[TRAINER])
+        self.loop_state().load_state_dict(values[TRAINER])
+        self.runtime.buffer_sync.mark_boundary()
         log.info("torchpass: entered at step %d (pass %d, batch %d)", self.applied, self._iteration, self._consumed)
 
 

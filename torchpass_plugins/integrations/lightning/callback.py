@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -17,7 +16,8 @@ from torchpass_plugins.core.interfaces import Phase
 from torchpass_plugins.errors import ConfigError
 from torchpass_plugins.integrations.lightning.state_parts import ResumedSnapshot
 from torchpass_plugins.observe.events import EventLog
-from torchpass_plugins.storage.snapshot_store import Manifest, SnapshotStore, model_fingerprint
+from torchpass_plugins.storage.snapshot_parts import newest_to_resume, say_resumed
+from torchpass_plugins.storage.snapshot_store import SnapshotStore, model_fingerprint
 from torchpass_plugins.storage.snapshot_writer import AsyncSnapshotWriter, SnapshotPlan, WhenBusy
 from torchpass_plugins.weights.rank_zero import RankZeroPublishing
 from torchpass_plugins.weights.sharded import ShardedPublishing
@@ -117,12 +117,11 @@ class TorchPassCallback(Callback):
             )
         store = SnapshotStore(self.snapshot_dir, self.snapshot_storage_options)
         model = model_fingerprint(pl_module)
-        # A job's start (not a spare entering it): rank 0, before any collective (so before any rank of this
-        # job writes), deletes what an earlier attempt left half-written, which would be taken for this job's.
-        starting = self.runtime.phase is Phase.ACTIVE
-        torn = store.discard_torn() if starting and strategy.global_rank == 0 else None
+        starting = self.runtime.phase is Phase.ACTIVE  # a job's start, not a spare entering it
         if not restoring_a_checkpoint(trainer):  # neither the user's checkpoint nor a spare's handed state
-            self._resume(trainer, store, model, torn)
+            self._resume(trainer, store, model, starting)
+        elif starting and strategy.global_rank == 0:
+            store.discard_torn()
         plan = SnapshotPlan(store, strategy.global_rank, strategy.world_size, strategy.snapshot_writers(),
                             seed=self.runtime.seed,
                             keep=self.snapshot_keep, when_busy=self.snapshot_when_busy,
@@ -132,38 +131,22 @@ class TorchPassCallback(Callback):
         self.runtime.leave_hooks.append(lambda: self.writer.close(timeout=_LAND_ON_LEAVE_S))
         self.runtime.rollback_hooks.append(self.writer.fence)
 
-    def _resume(self, trainer, store: SnapshotStore, model: str, torn: list[int] | None) -> None:
+    def _resume(self, trainer, store: SnapshotStore, model: str, starting: bool) -> None:
         """All ranks resume from the newest snapshot whose files all verify (each rank verifies a share of
         them), in this job's layout whatever the layout of the job that wrote it."""
-        strategy, events = trainer.strategy, self.runtime.events
+        strategy = trainer.strategy
         rank = strategy.global_rank
-        steps, torn = strategy.broadcast(([m.step for m in store.committed()], torn) if rank == 0 else None, 0)
-        newest = store.manifest(steps[-1]) if steps else None
-        if newest is not None:
-            _refuse_another_jobs(newest, store.url, model)
-
-        def everyone(ok: bool) -> bool:
-            return bool(strategy.reduce(torch.tensor(int(ok)), reduce_op="min").item())
-
-        found = store.load_newest(rank, strategy.world_size, steps, everyone)
+        found = newest_to_resume(
+            store, rank, strategy.world_size, model, starting, lambda value: strategy.broadcast(value, 0),
+            lambda ok: bool(strategy.reduce(torch.tensor(int(ok)), reduce_op="min").item()))
         if found is None:
             return
-        manifest, refused = found
+        manifest, refused, torn = found
         strategy.adopt(ResumedSnapshot(store, manifest, rank))
         self.runtime.seed_override = manifest.seed
-        self._last_snapshot = step = manifest.step
-        reached = self.runtime.member.reached_before_restart()
-        lost = None if reached is None else max(0, reached - step)
-        events.emit("snapshot_resumed", rank=rank, step=step, url=store.url, refused=refused,
-                    torn=torn, steps_lost=lost, written_by=manifest.world_size)
-        if rank == 0:
-            resharded = (f" (written by {manifest.world_size} ranks, loaded into {strategy.world_size})"
-                         if manifest.world_size != strategy.world_size else "")
-            print(f"torchpass: resuming from the snapshot of step {step} in {store.url}{resharded}"
-                  + (f"; the aborted attempt had reached step {reached}: {lost} step(s) lost" if lost is not None
-                     else "")
-                  + (f" ({len(refused)} newer one(s) refused as corrupted)" if refused else ""),
-                  file=sys.stderr, flush=True)
+        self._last_snapshot = manifest.step
+        say_resumed(self.runtime.events, store, manifest, rank, strategy.world_size, refused, torn,
+                    self.runtime.member.reached_before_restart())
 
     # -- at step boundaries: snapshots, published weights ------------------------------------------------------
     @override
@@ -205,14 +188,3 @@ class TorchPassCallback(Callback):
                                      error=f"still in flight {self.snapshot_timeout:g} s after training ended: "
                                      "abandoned (the previous snapshot stands)")
 
-
-def _refuse_another_jobs(manifest: Manifest, url: str, model: str) -> None:
-    """Resuming from another job's snapshot would train the wrong state, and this job's retention would then
-    delete that job's snapshots: stop with the reason instead. (Another number of ranks is no reason: the
-    state is resharded as it loads.)"""
-    if manifest.model and manifest.model != model:
-        raise ConfigError(
-            f"torchpass: the newest snapshot in {url} (step {manifest.step}) was written by another job "
-            "(a model whose parameters have other names, shapes or dtypes). Give this job its own snapshot "
-            "directory (snapshots.dir / snapshot_dir); nothing there was read or deleted"
-        )

@@ -52,7 +52,8 @@ from torchpass_plugins.integrations.lightning.adapter import LightningAdapter
 from torchpass_plugins.integrations.lightning.callback import TorchPassCallback
 from torchpass_plugins.integrations.lightning.ddp_collectives import RecoverableCollectives
 from torchpass_plugins.integrations.lightning.environment import TorchPassEnvironment
-from torchpass_plugins.integrations.lightning.state_parts import Incoming, LoggedState, TrainerState, snapshot_values
+from torchpass_plugins.integrations.lightning.state_parts import Incoming, LoggedState, TrainerState
+from torchpass_plugins.storage.snapshot_parts import snapshot_values
 from torchpass_plugins.testing import faults
 
 

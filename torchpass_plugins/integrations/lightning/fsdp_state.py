@@ -27,7 +27,8 @@ from torchpass_plugins.core.training_state import (
     Stateful,
     stable_pointers,
 )
-from torchpass_plugins.integrations.lightning.state_parts import TrainerState, snapshot_values
+from torchpass_plugins.integrations.lightning.state_parts import TrainerState
+from torchpass_plugins.storage.snapshot_parts import snapshot_values
 
 if TYPE_CHECKING:
     from torchpass_plugins.integrations.lightning.fsdp import TorchPassFSDPStrategy

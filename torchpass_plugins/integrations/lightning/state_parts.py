@@ -15,11 +15,8 @@ A snapshot holds the parts as one torch Distributed Checkpoint (:mod:`torchpass_
 
 from __future__ import annotations
 
-import io
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
-
-import torch
 
 from torchpass_plugins._compat.lightning import (
     dump_checkpoint,
@@ -27,21 +24,12 @@ from torchpass_plugins._compat.lightning import (
     precision_checkpoint_key,
     rank_local_state,
 )
-from torchpass_plugins.core.training_state import MODEL, OPTIMIZER, OWN, TRAINER, Stateful, capture, load_stored
+from torchpass_plugins.core.training_state import MODEL, OPTIMIZER, OWN, TRAINER, Stateful, load_stored
+from torchpass_plugins.storage.snapshot_parts import unpack
 from torchpass_plugins.storage.snapshot_store import Manifest, SnapshotCorrupted, SnapshotStore
 
 if TYPE_CHECKING:
     from torchpass_plugins.integrations.lightning.ddp import TorchPassDDPStrategy
-
-
-def _pack(obj: Any) -> bytes:
-    buffer = io.BytesIO()
-    torch.save(obj, buffer)
-    return buffer.getvalue()
-
-
-def _unpack(data: bytes) -> Any:
-    return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
 
 
 class TrainerState:
@@ -81,16 +69,6 @@ class LoggedState:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         load_rank_local_state(self.trainer, state)
-
-
-def snapshot_values(parts: dict[str, Stateful], rank: int) -> dict[str, Any]:
-    """What a rank's snapshot holds of ``parts``: the model and optimizers as tensors DCP writes (sharded where
-    they are), the trainer and own parts as one value each (the own one under this rank's name)."""
-    values = capture(parts, leave_out=(TRAINER, OWN))
-    values[TRAINER] = _pack(parts[TRAINER].state_dict())
-    if OWN in parts:
-        values[f"rank{rank}"] = _pack(parts[OWN].state_dict())
-    return values
 
 
 class Incoming:
@@ -135,8 +113,8 @@ class ResumedSnapshot(Incoming):
         store.read(manifest, parts, missing_ok=True)  # no own state: a rank the writing job did not have
         if not parts[TRAINER]:
             raise SnapshotCorrupted(f"{store.url}: the snapshot of step {manifest.step} has no trainer state")
-        self.trainer = _unpack(parts[TRAINER])
-        self.own = _unpack(parts[own]) if parts[own] else None
+        self.trainer = unpack(parts[TRAINER])
+        self.own = unpack(parts[own]) if parts[own] else None
 
     def load_model(self, parts: dict[str, Stateful]) -> None:
         self._load({MODEL: parts[MODEL]})

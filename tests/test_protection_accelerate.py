@@ -1,0 +1,103 @@
+"""Platform mode for Accelerate: a loop written without torchpass (``tests/scripts/unmodified_accelerate.py``:
+batch normalization, loader workers adding random noise, gradient accumulation, code between the passes that
+changes the optimizer's hyperparameters and runs an evaluation through ``gather_for_metrics``) under
+``torchpass launch --protect``: snapshots from the launch, and the resume after a lost worker, every rank
+compared with the failure-free run."""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+from conftest import differences
+from jobs import REPO, run
+
+from torchpass_plugins.control.worker_env import WorkerEnv
+from torchpass_plugins.integrations.accelerate.implicit import NO_LIVE_ENTRY, line
+
+pytestmark = pytest.mark.xdist_group("protection-accelerate")  # the failure-free run is made once
+
+SCRIPT = REPO / "tests" / "scripts" / "unmodified_accelerate.py"
+STEPS = 27  # 3 passes of 9 optimizer steps (288 samples, 2 ranks x 8 per batch, 2 micro-batches per step)
+
+
+def _env(spares: int, snapshot_dir: str = "", every: int = 0) -> WorkerEnv:
+    return WorkerEnv(store="127.0.0.1:1", token="t", worker_id="n0-s0-i0", world_size=2, node_rank=0,
+                     local_slot=0, run_dir="/tmp", seed=0, heartbeat_interval=0.5, protect=True, spares=spares,
+                     snapshot_dir=snapshot_dir, snapshot_every=every)
+
+
+def test_the_line_says_a_restart_replaces_live_entry_and_what_it_resumes_from():
+    assert line(_env(0)) == ("torchpass: Accelerator() without TorchPass's four lines runs under torchpass: a lost "
+                             "worker restarts the job; no snapshots (pass --snapshot-dir): a restart begins again "
+                             "from step 0")
+    assert line(_env(2, "s3://b/j", 5)) == (
+        "torchpass: Accelerator() without TorchPass's four lines runs under torchpass: its 2 spare(s) cannot enter "
+        "this loop live: a lost worker restarts the job; snapshots every 5 step(s) to s3://b/j, resumed from after "
+        "a restart")
+
+
+@pytest.fixture(scope="module")
+def failure_free(tmp_path_factory):
+    job, codes = run(tmp_path_factory.mktemp("failure_free"), nproc=2, spares=0, script=SCRIPT,
+                     launch_args=("--protect",))
+    assert codes == [0], job.output()[-3000:]
+    assert line(_env(0)) in job.output()
+    [said] = job.events("protection")
+    assert (said["asked"], said["strategy"], said["spares"]) == ("Accelerator()", "TorchPass (implicit)", 0)
+    for rank in range(2):
+        assert job.applied(rank) == list(range(STEPS))
+    return job
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("victim", [0, 1])
+def test_an_unmodified_loop_restarts_from_the_launchs_snapshot_mid_pass_and_ends_bit_exact(tmp_path, failure_free,
+                                                                                          victim):
+    """Rank ``victim`` is SIGKILLed in step 14 (the second pass). Its spare cannot enter the loop live, so the
+    job restarts and resumes from step 12 (or 8, if 12 had not landed): the first pass runs without its
+    batches, the code after it again (the weight decay halved once more, undone as the second pass begins),
+    then the second pass from its seventh batch."""
+    snapshots = tmp_path / "snapshots"
+    job, codes = run(tmp_path, nproc=3, spares=1, script=SCRIPT, faults=f"kill@rank={victim},step=14,phase=reduce",
+                     launch_args=("--protect", "--snapshot-dir", str(snapshots), "--snapshot-every", "4",
+                                  "--spare-wait", "0"))
+    assert codes == [0], job.output()[-3000:]
+    assert line(_env(1, str(snapshots), 4)) in job.output()
+    [restart] = job.events("job_restart")
+    assert restart["message"] == NO_LIVE_ENTRY
+    resumed = {e["step"] for e in job.events("snapshot_resumed")}
+    assert len(resumed) == 1 and resumed <= {8, 12}, resumed
+    [step] = resumed
+    for rank in range(2):
+        found = differences(failure_free.state(rank), job.state(rank), f"rank{rank}")
+        assert not found, "differs from the failure-free run:\n" + "\n".join(found[:20])
+        applied = job.applied(rank)
+        assert applied[-(STEPS - step):] == list(range(step, STEPS)), applied  # from the snapshot on, once each
+    assert job.leftovers() == []
+
+
+@pytest.mark.timeout(120)
+def test_a_backward_outside_the_first_prepared_loader_stops_the_job_before_its_first_step(tmp_path):
+    script = tmp_path / "eval_first.py"
+    script.write_text(textwrap.dedent("""
+        import torch
+        from accelerate import Accelerator
+        from torch.utils.data import DataLoader, TensorDataset
+        model = torch.nn.Linear(4, 1)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        data = TensorDataset(torch.randn(32, 4), torch.randn(32, 1))
+        accelerator = Accelerator(cpu=True)
+        model, optimizer, held_out, train = accelerator.prepare(model, optimizer, DataLoader(data, batch_size=4),
+                                                                DataLoader(data, batch_size=4))
+        for x, y in held_out:
+            break
+        for x, y in train:
+            accelerator.backward(torch.nn.functional.mse_loss(model(x), y))
+            optimizer.step()
+            print("STEPPED")
+        """))
+    job, codes = run(tmp_path, nproc=2, spares=0, script=script, launch_args=("--protect",))
+    assert codes == [1], job.output()[-3000:]
+    assert "a backward pass ran outside its batches: prepare the training loader before any other" in job.output()
+    assert "STEPPED" not in job.output() and not job.events("step_applied")

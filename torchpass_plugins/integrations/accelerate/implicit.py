@@ -1,0 +1,140 @@
+"""An Accelerate script without TorchPass's four lines, under ``torchpass launch --protect``: what can be
+protected without them, the job-wide snapshots and the automatic resume from the newest one.
+
+How the loop is seen without its lines:
+
+- ``Accelerator()`` first joins the job through a ``TorchPass``, as the four lines' first line does.
+- What ``accelerator.prepare`` returns is tracked: every model, optimizer and scheduler, and as the train
+  loader the first DataLoader prepared (as Hugging Face's examples prepare theirs: training first, then
+  evaluation). A backward pass outside that loader's batches stops the job before its first optimizer step.
+- The loop's passes are that loader's passes (there is no ``tp.epochs``). A job resuming from a snapshot of
+  pass P, batch b runs the loop's code for passes 0..P-1 without their batches (what runs between the
+  passes, an evaluation, runs again, on the resumed state), then pass P from batch b; the tracked state is
+  loaded again as pass P begins, so whatever that code changed in it (a per-epoch scheduler step) is undone.
+- A spare cannot enter such a loop live: it would run the code between the passes alone, collectives
+  included. A promoted spare hands the loss on to a restart from the newest snapshot.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from torchpass_plugins._compat.accelerate import after_prepare, is_prepared_loader, iterate_through
+from torchpass_plugins.control.membership import Unrecoverable
+from torchpass_plugins.control.worker_env import WorkerEnv
+from torchpass_plugins.errors import ConfigError
+from torchpass_plugins.integrations.accelerate.loop import TorchPass
+
+NO_LIVE_ENTRY = ("torchpass --protect: a spare cannot enter an Accelerate loop written without TorchPass's four "
+                 "lines live; the job restarts from its newest snapshot (add the four lines for live replacement)")
+
+
+def line(env: WorkerEnv) -> str:
+    """The level of protection such a script gets, and why, in one line."""
+    spares = (f"its {env.spares} spare(s) cannot enter this loop live: " if env.spares else "")
+    saved = (f"snapshots every {env.snapshot_every} step(s) to {env.snapshot_dir}, resumed from after a restart"
+             if env.snapshot_dir and env.snapshot_every else
+             f"resumes from the newest snapshot in {env.snapshot_dir} (none written: --snapshot-every 0)"
+             if env.snapshot_dir else "no snapshots (pass --snapshot-dir): a restart begins again from step 0")
+    return (f"torchpass: Accelerator() without TorchPass's four lines runs under torchpass: {spares}a lost worker "
+            f"restarts the job; {saved}")
+
+
+class ImplicitTorchPass(TorchPass):
+    """A ``TorchPass`` the script did not write: tracks what ``prepare`` returns, marks the passes of the
+    train loader as ``tp.epochs`` and ``tp.batches`` would."""
+
+    def __init__(self) -> None:
+        from torchpass_plugins.control.worker import current_runtime
+
+        if current_runtime().is_spare:  # (a spare is only past its join once promoted)
+            raise Unrecoverable(NO_LIVE_ENTRY)
+        super().__init__()
+        self.prepared: list[Any] = []  # models, optimizers and schedulers, in the order prepare returned them
+        self.train_loader: Any = None
+        self.passes = 0  # passes the loop began over the train loader (skipped ones too)
+        self.skipped = False  # passes already done before the resume were run without their batches
+        self.from_train = False  # the newest batch of a prepared loader came from the train loader
+        rt = self.runtime
+        if rt.rank == 0:
+            env = rt.env
+            print(line(env), flush=True)
+            rt.events.emit("protection", rank=0, asked="Accelerator()", strategy="TorchPass (implicit)",
+                           spares=env.spares, snapshot_dir=env.snapshot_dir, snapshot_every=env.snapshot_every)
+
+    def on_prepare(self, accelerator: Any, results: tuple) -> None:
+        self.accelerator = accelerator
+        for obj in results:
+            if is_prepared_loader(obj):
+                if self.train_loader is None:
+                    self.train_loader = obj
+                iterate_through(obj, self._pass if obj is self.train_loader else self._other_pass)
+            elif isinstance(obj, nn.Module | torch.optim.Optimizer) or (
+                    callable(getattr(obj, "state_dict", None)) and hasattr(obj, "scheduler")):
+                self.prepared.append(obj)
+
+    def _pass(self, loader: Any, plain: Callable[[], Iterator]) -> Iterator:
+        """A pass the loop begins over the train loader: none of its batches if it was done before the
+        resume, else its batches from where the job stands."""
+        if not self._tracked:
+            self._track_prepared(loader)
+        index, self.passes = self.passes, self.passes + 1
+        if index < self._iteration:
+            self.skipped = True
+            return iter(())
+        if self.skipped and self.snapshots is not None and self.snapshots.resumed is not None:
+            self.snapshots.load(self.snapshots.resumed)  # undo what the code between the passes changed
+            self.skipped = False
+        self._plain = plain
+        return self._marked(self.batches(loader), train=True)
+
+    def _other_pass(self, loader: Any, plain: Callable[[], Iterator]) -> Iterator:
+        return self._marked(plain(), train=False)
+
+    def _marked(self, batches: Iterator, train: bool) -> Iterator:
+        """The batches, each noted as the train loader's or not (a backward pass must follow one of its)."""
+        for batch in batches:
+            self.from_train = train
+            yield batch
+
+    def _pass_of(self, loader: Iterable[Any]) -> Iterator[Any]:
+        return self._plain() if loader is self.train_loader else iter(loader)
+
+    def _track_prepared(self, loader: Any) -> None:
+        kinds = {"model": nn.Module, "optimizer": torch.optim.Optimizer}
+        named: dict[str, Any] = {}
+        for obj in self.prepared:
+            kind = next((k for k, t in kinds.items() if isinstance(obj, t)), "scheduler")
+            named[f"{kind}{sum(name.startswith(kind) for name in named)}"] = obj
+        if not any(isinstance(o, torch.optim.Optimizer) for o in self.prepared):
+            raise ConfigError("torchpass --protect: the loop iterates the first DataLoader given to "
+                              "accelerator.prepare, but no optimizer was prepared before: prepare the model, "
+                              "the optimizer and the loaders together, or add TorchPass's four lines")
+        self.track(self.accelerator, **named, loader=loader)
+        backward = self.accelerator.backward
+
+        def backward_in_a_pass(loss: torch.Tensor, **kwargs: Any) -> None:
+            if not self.from_train:
+                raise ConfigError(
+                    "torchpass --protect took the first DataLoader given to accelerator.prepare for the training "
+                    "loader, but a backward pass ran outside its batches: prepare the training loader before "
+                    "any other, or add TorchPass's four lines")
+            backward(loss, **kwargs)
+
+        self.accelerator.backward = backward_in_a_pass
+
+    def finish(self) -> None:
+        """The script returned: training is over on this rank (every rank gets here, as after ``tp.epochs``)."""
+        if self._tracked:
+            self._end_training()
+
+
+def protect(at_script_end: list[Callable[[], None]]) -> None:
+    """An ``Accelerator`` is being built by a script of a ``--protect`` launch with no ``TorchPass``."""
+    tp = ImplicitTorchPass()
+    after_prepare(tp.on_prepare)
+    at_script_end.append(tp.finish)
