@@ -137,7 +137,7 @@ def test_every_node_needs_as_many_paths_as_the_coordinating_one(paths, started, 
     decision = Policy(paths=2).node_paths(1, paths, started=started)
     assert decision.action is expected
     if expected is not Action.NOTHING:
-        assert decision.why == (f"node 1 has {paths} network path(s) (--interfaces) and the coordinating node 2: "
+        assert decision.why == (f"node 1 has {paths} network path(s) (--interfaces), the coordinating node has 2: "
                                 "give every node the same interfaces, in the same order")
 
 
@@ -145,7 +145,7 @@ def test_a_node_with_other_paths_stops_the_job_before_it_starts_and_a_later_one_
     store = prefixed(connect_store("127.0.0.1:0", is_master=True, timeout=30))
     coordinator = Coordinator(store, "t", processes=2, world_size=2, events=EventLog(tmp_path / "events.jsonl"),
                               policy=Policy(paths=2))
-    for node, paths in ((0, 2), (1, 1), (2, 3)):
+    for node, paths in ((0, 2), (1, 1)):
         store.set(node_paths_key(node), str(paths))
     for worker in ("n0-s0-i0", "n1-s0-i0"):
         store.set(join_key(worker), "t")
@@ -266,8 +266,8 @@ def test_a_node_given_fewer_interfaces_than_the_others_stops_the_job_before_any_
             job.kill()
     assert codes == [1, 1], codes
     aborted = job.events("job_aborted")
-    assert [e["message"] for e in aborted] == ["node 1 has 1 network path(s) (--interfaces) and the coordinating "
-                                               "node 2: give every node the same interfaces, in the same order"]
+    assert [e["message"] for e in aborted] == ["node 1 has 1 network path(s) (--interfaces), the coordinating node "
+                                               "has 2: give every node the same interfaces, in the same order"]
     assert job.events("roster_published") == [] and job.applied(0) == []
     assert "give every node the same interfaces" in job.logs[1].read_text()
 

@@ -169,5 +169,5 @@ def test_what_torchpass_cannot_see_or_protect_is_refused_before_training(tmp_pat
     job, codes = run(tmp_path, nproc=2, spares=0, script=script, train_args=train, launch_args=launch)
     assert codes == [1], job.output()[-3000:]
     assert message in job.output() and "stopped on a configuration error before joining the job" in job.output()
-    assert "TRAINING BEGAN" not in job.output() and not job.events("worker_ready") and not job.events("step_applied")
+    assert "TRAINING BEGAN" not in job.output() and not job.events("worker_ready") and not job.events("progress")
     assert len(job.events("worker_started")) == 2 and job.leftovers() == []

@@ -34,7 +34,8 @@ def test_the_line_says_a_restart_replaces_live_entry_and_what_it_resumes_from():
     assert line(_env(2, "s3://b/j", 5)) == (
         "torchpass: Accelerator() without TorchPass's four lines runs under torchpass: its 2 spare(s) cannot enter "
         "this loop live: a lost worker restarts the job; snapshots every 5 step(s) to s3://b/j, resumed from after "
-        "a restart")
+        "a restart; a resume restores what prepare returned, not the loop's own variables (a step counter starts "
+        "over)")
 
 
 @pytest.fixture(scope="module")
@@ -69,12 +70,32 @@ def test_an_unmodified_loop_restarts_from_the_launchs_snapshot_mid_pass_and_ends
     resumed = {e["step"] for e in job.events("snapshot_resumed")}
     assert len(resumed) == 1 and resumed <= {8, 12}, resumed
     [step] = resumed
-    for rank in range(2):
-        found = differences(failure_free.state(rank), job.state(rank), f"rank{rank}")
-        assert not found, "differs from the failure-free run:\n" + "\n".join(found[:20])
-        applied = job.applied(rank)
-        assert applied[-(STEPS - step):] == list(range(step, STEPS)), applied  # from the snapshot on, once each
+    assert_every_rank_as(failure_free, job)
+    for rank in range(2):  # steps 0..13 before the kill, then from the snapshot on, each once
+        assert job.applied(rank) == [*range(14), *range(step, STEPS)], job.applied(rank)
     assert job.leftovers() == []
+
+
+def assert_every_rank_as(expected, job) -> None:
+    for rank in range(2):
+        found = differences(expected.state(rank), job.state(rank), f"rank{rank}")
+        assert not found, "differs from the failure-free run:\n" + "\n".join(found[:20])
+
+
+@pytest.mark.timeout(300)
+def test_with_the_four_lines_the_same_loop_loses_rank_0_and_a_spare_takes_it_live_batchnorm_included(tmp_path):
+    """The buffers a spare receives are those of the step boundary, which every rank holds alike (rank 0's,
+    adopted at each commit, as DDP broadcasts them)."""
+    four_lines = ("--four-lines",)
+    reference, codes = run(tmp_path / "reference", nproc=2, spares=0, script=SCRIPT, train_args=four_lines)
+    assert codes == [0], reference.output()[-3000:]
+    job, codes = run(tmp_path / "killed", nproc=3, spares=1, script=SCRIPT, train_args=four_lines,
+                     faults="kill@rank=0,step=14,phase=reduce")
+    assert codes == [0], job.output()[-3000:]
+    assert [e["rank"] for e in job.events("failure_detected")] == [0] and not job.events("job_restart")
+    assert_every_rank_as(reference, job)
+    for rank in range(2):
+        assert job.applied(rank) == list(range(STEPS)), job.applied(rank)
 
 
 @pytest.mark.timeout(120)
@@ -99,5 +120,60 @@ def test_a_backward_outside_the_first_prepared_loader_stops_the_job_before_its_f
         """))
     job, codes = run(tmp_path, nproc=2, spares=0, script=script, launch_args=("--protect",))
     assert codes == [1], job.output()[-3000:]
-    assert "a backward pass ran outside its batches: prepare the training loader before any other" in job.output()
-    assert "STEPPED" not in job.output() and not job.events("step_applied")
+    assert ("a backward pass ran on a batch that is not of the first DataLoader given to accelerator.prepare, "
+            "taken for the training loader: prepare it before any other") in job.output()
+    assert "STEPPED" not in job.output()
+
+
+_LOOPS = {
+    "iterable": ("class Stream(torch.utils.data.IterableDataset):\n"
+                 "    def __iter__(self):\n"
+                 "        return iter([(torch.randn(4), torch.randn(1)) for _ in range(8)])\n"
+                 "train = DataLoader(Stream(), batch_size=2)\n"
+                 "model, optimizer, train = accelerator.prepare(model, optimizer, train)\n"
+                 "for epoch in range(2):\n"
+                 "    for x, y in train:\n"
+                 "        step(x, y)\n",
+                 "loads an iterable dataset, whose passes cannot be resumed mid-way"),
+    "left_early": ("model, optimizer, train = accelerator.prepare(model, optimizer, DataLoader(data, batch_size=4))\n"
+                   "for epoch in range(2):\n"
+                   "    for i, (x, y) in enumerate(train):\n"
+                   "        step(x, y)\n"
+                   "        if i == 1:\n"
+                   "            break\n",
+                   "the loop left a pass over the training loader before its end and began another"),
+    "own_skip": ("model, optimizer, train = accelerator.prepare(model, optimizer, DataLoader(data, batch_size=4))\n"
+                 "for x, y in accelerator.skip_first_batches(train, 2):\n"
+                 "    step(x, y)\n",
+                 "the script skips batches of the training loader itself"),
+    "late_prepare": ("model, optimizer, train = accelerator.prepare(model, optimizer, DataLoader(data, batch_size=4))\n"
+                     "for x, y in train:\n"
+                     "    step(x, y)\n"
+                     "    break\n"
+                     "accelerator.prepare(torch.optim.SGD(model.parameters(), lr=0.1))\n",
+                     "a AcceleratedOptimizer was prepared after training began"),
+}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("case", sorted(_LOOPS))
+def test_what_an_unmodified_loop_does_that_torchpass_cannot_follow_stops_the_job_with_what_to_change(tmp_path, case):
+    loop, message = _LOOPS[case]
+    script = tmp_path / f"{case}.py"
+    script.write_text(
+        "import torch\n"
+        "from accelerate import Accelerator\n"
+        "from torch.utils.data import DataLoader, TensorDataset\n"
+        "model = torch.nn.Linear(4, 1)\n"
+        "optimizer = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+        "data = TensorDataset(torch.randn(32, 4), torch.randn(32, 1))\n"
+        "accelerator = Accelerator(cpu=True)\n"
+        "def step(x, y):\n"
+        "    accelerator.backward(torch.nn.functional.mse_loss(model(x), y))\n"
+        "    optimizer.step()\n"
+        "    optimizer.zero_grad()\n"
+        + loop + "print('LOOP ENDED')\n")
+    job, codes = run(tmp_path, nproc=2, spares=0, script=script, launch_args=("--protect",))
+    assert codes == [1], job.output()[-3000:]
+    assert message in job.output() and "or add TorchPass's four lines" in job.output()
+    assert "LOOP ENDED" not in job.output()

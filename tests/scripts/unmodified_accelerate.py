@@ -3,7 +3,8 @@ of TorchPass's four lines. Batch normalization, dropout, loader workers that add
 accumulation, AdamW with a per-step schedule, and code between the passes that changes the training state
 (the weight decay shrinks after each pass) and runs collectives (an evaluation through
 ``gather_for_metrics``). With ``--out`` each rank records the optimizer steps it applied
-(``applied_rank{r}.txt``) and writes its full state at the end (``state_rank{r}.pt``), for comparison."""
+(``applied_rank{r}.txt``) and writes its full state at the end (``state_rank{r}.pt``), for comparison.
+``--four-lines`` runs the same loop with TorchPass's four lines added (the one use of torchpass here)."""
 
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--sleep-per-step", type=float, default=0.0)
     p.add_argument("--sleep-until", type=Path, default=None)
+    p.add_argument("--four-lines", action="store_true")
     args = p.parse_args()
     set_seed(5)
     model = nn.Sequential(nn.Linear(12, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Dropout(0.1), nn.Linear(32, 3))
@@ -32,16 +34,23 @@ def main() -> None:
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + 0.05 * step))
     loader = DataLoader(Noisy(288), batch_size=8, shuffle=True, num_workers=2)
     eval_loader = DataLoader(TensorDataset(torch.randn(60, 12), torch.randint(0, 3, (60,))), batch_size=10)
+    tp = None
+    if args.four_lines:
+        from torchpass_plugins import TorchPass
+
+        tp = TorchPass(seed=5)
     accelerator = Accelerator(cpu=True, gradient_accumulation_steps=2,
                               dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True))
     model, optimizer, loader, eval_loader, scheduler = accelerator.prepare(model, optimizer, loader, eval_loader,
                                                                           scheduler)
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
+    if tp is not None:
+        tp.track(accelerator, model=model, optimizer=optimizer, scheduler=scheduler, loader=loader)
     first = next(iter(accelerator.unwrap_model(model).parameters()))
-    for epoch in range(args.epochs):
+    for epoch in tp.epochs(args.epochs) if tp is not None else range(args.epochs):
         model.train()
-        for x, y in loader:
+        for x, y in tp.batches(loader) if tp is not None else loader:
             with accelerator.accumulate(model):
                 accelerator.backward(nn.functional.cross_entropy(model(x), y))
                 optimizer.step()

@@ -53,9 +53,31 @@ def after_prepare(then: Callable[[Any, tuple], None]) -> None:
 
 
 def is_prepared_loader(obj: Any) -> bool:
-    from accelerate.data_loader import DataLoaderShard
+    """A loader ``prepare`` returned: a shard of a map-style dataset's, or a dispatcher of an iterable one's."""
+    from accelerate.data_loader import DataLoaderDispatcher, DataLoaderShard
 
-    return isinstance(obj, DataLoaderShard)
+    return isinstance(obj, DataLoaderShard | DataLoaderDispatcher)
+
+
+def shards_a_map_style_dataset(loader: Any) -> bool:
+    """Each rank's batches are picked by a sampler (which can skip the batches of a pass already taken)."""
+    from accelerate.data_loader import DataLoaderShard
+    from torch.utils.data import IterableDataset
+
+    return isinstance(loader, DataLoaderShard) and not isinstance(loader.dataset, IterableDataset)
+
+
+def before_skipping(check: Callable[[Any], None]) -> None:
+    """Call ``check(loader)`` as ``accelerator.skip_first_batches(loader, n)`` is asked for."""
+    accelerator_class = sys.modules[MODULE].Accelerator
+    skip = accelerator_class.skip_first_batches
+
+    @functools.wraps(skip)
+    def checked(self: Any, dataloader: Any, *args: Any, **kwargs: Any) -> Any:
+        check(dataloader)
+        return skip(self, dataloader, *args, **kwargs)
+
+    accelerator_class.skip_first_batches = checked
 
 
 def iterate_through(loader: Any, passes: Callable[[Any, Callable[[], Iterator]], Iterator]) -> None:

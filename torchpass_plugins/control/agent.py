@@ -274,7 +274,8 @@ class Agent(SlotDevices):
                     self.events.emit("refill_stopped", slot=slot.index, why=decision.why)
                     print(f"torchpass: slot {slot.index}: {decision.why}", file=sys.stderr, flush=True)
                 if decision.action is Action.ABORT:
-                    answer = json.loads(self.store.get(assign_key(slot.worker_id)))
+                    key = assign_key(slot.worker_id)
+                    answer = json.loads(self.store.get(key)) if self.store.check([key]) else {}
                     print(f"torchpass: the job's coordinator at {self.endpoint} refused this node's workers: "
                           f"{answer.get('reject', decision.why)}", file=sys.stderr, flush=True)
                     return 1

@@ -202,7 +202,7 @@ class Policy:
         (a replacement node): REFUSE it, the job goes on without that node."""
         if paths == self.paths:
             return NOTHING
-        why = (f"node {node} has {paths} network path(s) (--interfaces) and the coordinating node {self.paths}: "
+        why = (f"node {node} has {paths} network path(s) (--interfaces), the coordinating node has {self.paths}: "
                "give every node the same interfaces, in the same order")
         return Decision(Action.REFUSE if started else Action.ABORT, why)
 

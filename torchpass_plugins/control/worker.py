@@ -103,8 +103,6 @@ def run_as_worker(argv: list[str]) -> int:
             sys.argv = list(argv)
             sys.path[0] = str(Path(argv[0]).resolve().parent)
             runpy.run_path(argv[0], run_name="__main__")
-        for finish in _AT_SCRIPT_END:
-            finish()
         _exit_code = 0
     except SystemExit as exc:
         _exit_code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
@@ -113,6 +111,12 @@ def run_as_worker(argv: list[str]) -> int:
             _leave_on_uncaught(type(caught), caught, caught.__traceback__)
         elif not isinstance(exc.code, int | None):
             print(exc.code, file=sys.stderr)
+    except BaseException:
+        _exit_code = 1
+        _leave_on_uncaught(*sys.exc_info())
+    try:
+        for finish in _AT_SCRIPT_END if _exit_code == 0 else ():  # (also after sys.exit(0))
+            finish()
     except BaseException:
         _exit_code = 1
         _leave_on_uncaught(*sys.exc_info())

@@ -154,7 +154,6 @@ class TorchPass:
             )
         check_layout(accelerator, self.runtime)
         check_loader(loaders[0])
-        self._order = seed_loader(loaders[0], self.runtime.seed)
         for name, obj in objects.items():
             if name in (TRAINER, OWN):
                 raise ConfigError(f"torchpass: track({name}=...): the name {name!r} is torchpass's own; choose another")
@@ -172,19 +171,25 @@ class TorchPass:
         inner = optimizers[0].optimizer if hasattr(optimizers[0], "optimizer") else optimizers[0]
         inner.register_step_pre_hook(self._before_optimizer_step)
         inner.register_step_post_hook(self._after_optimizer_step)
-        # Every rank takes rank 0's buffers at each step's commit, as DDP's forward would have broadcast them.
+        # Every rank takes rank 0's buffers at each step's commit, as DDP's forward would have broadcast them
+        # (those of the state dict: a constant mask or cache needs no vote).
         self.runtime.buffer_sync = BufferSync([(f"{name}.{key}", buffer) for name, module in self.objects.items()
                                                if isinstance(module, nn.Module)
-                                               for key, buffer in module.named_buffers()])
+                                               for key, buffer in module.named_buffers()
+                                               if key in module.state_dict()])
         self._tracked = True
         if self._snapshot_to is not None:
             self.snapshots = LoopSnapshots(self, *self._snapshot_to)
+            for optimizer in optimizers:  # the snapshot's copy is complete before any optimizer changes them
+                inner_optimizer = getattr(optimizer, "optimizer", optimizer)
+                inner_optimizer.register_step_pre_hook(lambda *_: self.snapshots.before_optimizer_step())
         if self._pending is not None:  # a spare: the state it received
             self._adopt(self._pending)
             self._pending = None
         elif self.snapshots is not None:
             self.snapshots.resume()
         self.runtime.buffer_sync.mark_boundary()
+        self._order = seed_loader(self.loader, self.runtime.seed)  # (the seed a snapshot was written with)
         if self.publishing is not None:
             self._start_publishing(models, optimizers)
 
@@ -235,7 +240,9 @@ class TorchPass:
         self._order.set_epoch(self._iteration)  # a spare's skipping loader does not pass the epoch on
         source = self.loader
         if self._consumed:  # a spare resumes mid-pass: the sampler skips what its predecessor took
-            source = self.accelerator.skip_first_batches(self.loader, self._consumed)
+            from accelerate import skip_first_batches
+
+            source = skip_first_batches(self.loader, self._consumed)
         batches = self._pass_of(source)
         while True:
             # Fetch, then mark the boundary: a pass's first fetch draws its base seed from the global
@@ -292,8 +299,6 @@ class TorchPass:
                 "torchpass: the optimizer stepped before the gradients were reduced; compute them with "
                 "accelerator.backward(loss) (inside accelerator.accumulate(model) when accumulating)"
             )
-        if self.snapshots is not None:
-            self.snapshots.before_optimizer_step()
 
     def _after_optimizer_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         self._reduced = self._step_open = False

@@ -57,8 +57,8 @@ class LoopSnapshots:
     def __init__(self, tp: TorchPass, url: str, every: int) -> None:
         models = [(name, o) for name, o in tp.objects.items() if isinstance(o, nn.Module)]
         if len(models) != 1:
-            raise ConfigError(f"torchpass: snapshots of an Accelerate loop hold one tracked model; {len(models)} "
-                              "are tracked (track the others' state through an object with state_dict)")
+            raise ConfigError(f"torchpass: snapshots of an Accelerate loop hold one model; {len(models)} are "
+                              "tracked (prepared). Snapshot a loop of several models with its own checkpoints")
         self.tp, self.every, self.last = tp, every, 0
         self.model = models[0][1]
         self.optimizers = [getattr(o, "optimizer", o) for o in tp.objects.values()
@@ -105,7 +105,7 @@ class LoopSnapshots:
         manifest, refused, torn = found
         self.load(manifest)
         self.resumed = manifest
-        rt.seed_override = manifest.seed
+        rt.seed_override = self.writer.plan.seed = manifest.seed
         self.last = manifest.step
         say_resumed(rt.events, self.store, manifest, rt.rank, rt.world_size, refused, torn,
                     rt.member.reached_before_restart())
@@ -118,6 +118,12 @@ class LoopSnapshots:
         load_stored({MODEL: self.parts[MODEL], OPTIMIZER: self.parts[OPTIMIZER]},
                     lambda prefix: self.store.stored(manifest, prefix), lambda into: self.store.read(manifest, into))
         rest = unpack(values[TRAINER])
+        consumed, world_size = rest[TRAINER]["position"]["consumed"], self.tp.runtime.world_size
+        if consumed and manifest.world_size != world_size:
+            raise ConfigError(f"torchpass: the snapshot of step {manifest.step} in {self.store.url} was taken "
+                              f"{consumed} batches into a pass over {manifest.world_size} ranks; this job has "
+                              f"{world_size}, which would split the rest of that pass otherwise: resume it with "
+                              f"{manifest.world_size} ranks")
         for name, obj in self.others.items():
             obj.load_state_dict(rest[name])
         self.tp.loop_state().load_state_dict(rest[TRAINER])
