@@ -46,10 +46,10 @@ from torchpass_plugins.core.buffer_sync import BufferSync
 from torchpass_plugins.core.default_group import RetryingGroup
 from torchpass_plugins.core.grad_buckets import GradientBuckets
 from torchpass_plugins.core.runtime import Runtime
-from torchpass_plugins.core.training_state import OWN, TRAINER, Held, ModelState, Stateful
+from torchpass_plugins.core.training_state import TRAINER, Held, ModelState, Stateful
 from torchpass_plugins.core.tree import tensors_in
 from torchpass_plugins.errors import ConfigError
-from torchpass_plugins.integrations.accelerate.prepared import check_layout, check_loader, seed_loader
+from torchpass_plugins.integrations.accelerate.prepared import check_layout, check_loader, seed_loader, sort_tracked
 from torchpass_plugins.integrations.accelerate.snapshots import LoopSnapshots
 from torchpass_plugins.testing import faults
 from torchpass_plugins.weights.rank_zero import RankZeroPublishing
@@ -69,10 +69,6 @@ _SHARDING = ("FSDP", "DEEPSPEED", "MEGATRON_LM")  # Accelerate's distributed typ
 
 class UnprotectedRunWarning(UserWarning):
     """The script runs without torchpass: a worker's loss ends the job."""
-
-
-def _stateful(obj: Any) -> bool:
-    return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
 
 
 class TorchPass:
@@ -141,25 +137,10 @@ class TorchPass:
             return
         if self._tracked:
             raise ConfigError("torchpass: TorchPass.track was called twice; declare every object in one call")
-        from accelerate.data_loader import DataLoaderShard
-
-        loaders = [o for o in objects.values() if isinstance(o, DataLoaderShard)]
-        optimizers = [o for o in objects.values() if isinstance(o, torch.optim.Optimizer)]
-        models = [o for o in objects.values() if isinstance(o, nn.Module)]
-        if len(loaders) != 1 or not optimizers or not models:
-            raise ConfigError(
-                "torchpass: track() needs the prepared model(s), optimizer(s) and exactly one train loader "
-                f"(returned by accelerator.prepare); got {len(models)} model(s), {len(optimizers)} "
-                f"optimizer(s), {len(loaders)} prepared loader(s)"
-            )
+        loader, optimizers, models = sort_tracked(objects)
         check_layout(accelerator, self.runtime)
-        check_loader(loaders[0])
-        for name, obj in objects.items():
-            if name in (TRAINER, OWN):
-                raise ConfigError(f"torchpass: track({name}=...): the name {name!r} is torchpass's own; choose another")
-            if not (_stateful(obj) or isinstance(obj, DataLoaderShard)):
-                raise ConfigError(f"torchpass: track({name}=...) has no state_dict/load_state_dict to hand over")
-        self.accelerator, self.loader = accelerator, loaders[0]
+        check_loader(loader)
+        self.accelerator, self.loader = accelerator, loader
         self.objects = {name: accelerator.unwrap_model(o) if isinstance(o, nn.Module) else o
                          for name, o in objects.items() if o is not self.loader}
         for model in models:

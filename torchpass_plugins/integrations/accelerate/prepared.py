@@ -5,9 +5,36 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+from torch import nn
+
 from torchpass_plugins.core.runtime import Runtime
 from torchpass_plugins.core.sampler import SeededSampler, seed_fetches
+from torchpass_plugins.core.training_state import OWN, TRAINER
 from torchpass_plugins.errors import ConfigError
+
+
+def sort_tracked(objects: dict[str, Any]) -> tuple[Any, list[Any], list[Any]]:
+    """The train loader, the optimizers and the models among the objects passed to ``track``, which must be
+    one, some and some, under names not torchpass's own, and all the others stateful."""
+    from accelerate.data_loader import DataLoaderShard
+
+    loaders = [o for o in objects.values() if isinstance(o, DataLoaderShard)]
+    optimizers = [o for o in objects.values() if isinstance(o, torch.optim.Optimizer)]
+    models = [o for o in objects.values() if isinstance(o, nn.Module)]
+    if len(loaders) != 1 or not optimizers or not models:
+        raise ConfigError(
+            "torchpass: track() needs the prepared model(s), optimizer(s) and exactly one train loader "
+            f"(returned by accelerator.prepare); got {len(models)} model(s), {len(optimizers)} "
+            f"optimizer(s), {len(loaders)} prepared loader(s)"
+        )
+    for name, obj in objects.items():
+        if name in (TRAINER, OWN):
+            raise ConfigError(f"torchpass: track({name}=...): the name {name!r} is torchpass's own; choose another")
+        stateful = callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
+        if not (stateful or isinstance(obj, DataLoaderShard)):
+            raise ConfigError(f"torchpass: track({name}=...) has no state_dict/load_state_dict to hand over")
+    return loaders[0], optimizers, models
 
 
 def check_layout(accelerator: Any, runtime: Runtime) -> None:
