@@ -98,8 +98,10 @@ def train(size: Size, work: Path, followers: int | None) -> Job:
             *(["--publish-weights", endpoint] if followers is not None else [])]
     env = {**worker_env(steady=True), wire.TOKEN_VARIABLE: TOKEN}
     replicas = [subprocess.Popen([sys.executable, __file__, "_follow", endpoint, str(run_dir / "events.jsonl"),
-                                   str(i)], env=env) for i in range(followers or 0)]
+                                   str(i)], env=env, stdout=subprocess.PIPE, text=True) for i in range(followers or 0)]
     try:
+        for replica in replicas:  # (a small model's job can end before a follower has imported torch)
+            assert replica.stdout.readline().strip() == "following"
         code = run_bounded(torchpass_cmd(STEADY_RANKS, 0, run_dir, args), env, size.timeout_s, work / "launcher.log")
     finally:
         for replica in replicas:
@@ -125,6 +127,7 @@ def follow(endpoint: str, events: str, index: str) -> None:
     """A follower: receive newer versions until the job ends (which kills it). Patient: the first step of the
     larger model alone takes several seconds."""
     subscriber = WeightSubscriber(endpoint, token=TOKEN, retry_s=0.05, events=EventLog(events, f"replica{index}"))
+    print("following", flush=True)
     version = -1
     while True:
         version, _ = subscriber.wait_newer(version, timeout=600)
