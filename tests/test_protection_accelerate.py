@@ -121,7 +121,8 @@ def test_a_backward_outside_the_first_prepared_loader_stops_the_job_before_its_f
     job, codes = run(tmp_path, nproc=2, spares=0, script=script, launch_args=("--protect",))
     assert codes == [1], job.output()[-3000:]
     assert ("a backward pass ran on a batch that is not of the first DataLoader given to accelerator.prepare, "
-            "taken for the training loader: prepare it before any other") in job.output()
+            "taken for the training loader (or before any pass over it): prepare the training loader before any "
+            "other") in job.output()
     assert "STEPPED" not in job.output()
 
 
@@ -134,14 +135,14 @@ _LOOPS = {
                  "for epoch in range(2):\n"
                  "    for x, y in train:\n"
                  "        step(x, y)\n",
-                 "loads an iterable dataset, whose passes cannot be resumed mid-way"),
+                 "is dispatched from rank 0 (an iterable dataset, or dispatch_batches=True)"),
     "left_early": ("model, optimizer, train = accelerator.prepare(model, optimizer, DataLoader(data, batch_size=4))\n"
                    "for epoch in range(2):\n"
                    "    for i, (x, y) in enumerate(train):\n"
                    "        step(x, y)\n"
                    "        if i == 1:\n"
                    "            break\n",
-                   "the loop left a pass over the training loader before its end and began another"),
+                   "a pass over the training loader was begun and not finished (a break, or a batch taken"),
     "own_skip": ("model, optimizer, train = accelerator.prepare(model, optimizer, DataLoader(data, batch_size=4))\n"
                  "for x, y in accelerator.skip_first_batches(train, 2):\n"
                  "    step(x, y)\n",
@@ -150,7 +151,9 @@ _LOOPS = {
                      "for x, y in train:\n"
                      "    step(x, y)\n"
                      "    break\n"
-                     "accelerator.prepare(torch.optim.SGD(model.parameters(), lr=0.1))\n",
+                     "accelerator.prepare(torch.optim.SGD(model.parameters(), lr=0.1))\n"
+                     "for x, y in train:\n"
+                     "    step(x, y)\n",
                      "a AcceleratedOptimizer was prepared after training began"),
 }
 
@@ -177,3 +180,39 @@ def test_what_an_unmodified_loop_does_that_torchpass_cannot_follow_stops_the_job
     assert codes == [1], job.output()[-3000:]
     assert message in job.output() and "or add TorchPass's four lines" in job.output()
     assert "LOOP ENDED" not in job.output()
+
+
+@pytest.mark.timeout(120)
+def test_what_an_unmodified_loop_may_do_around_its_steps_is_not_refused(tmp_path):
+    """An evaluation inside a training step, a break at a step limit that ends training, a model prepared for a
+    final test after training: the job ends normally."""
+    script = tmp_path / "around.py"
+    script.write_text(textwrap.dedent("""
+        import torch
+        from accelerate import Accelerator
+        from torch.utils.data import DataLoader, TensorDataset
+        model = torch.nn.Linear(4, 1)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        data = TensorDataset(torch.randn(32, 4), torch.randn(32, 1))
+        accelerator = Accelerator(cpu=True)
+        model, optimizer, train, held_out = accelerator.prepare(model, optimizer, DataLoader(data, batch_size=4),
+                                                                DataLoader(data, batch_size=8))
+        steps = 0
+        for epoch in range(2):
+            for x, y in train:
+                loss = torch.nn.functional.mse_loss(model(x), y)
+                if steps % 3 == 0:
+                    with torch.no_grad():
+                        held = sum(accelerator.gather_for_metrics(model(a)).sum() for a, _ in held_out)
+                accelerator.backward(loss)
+                optimizer.step()
+                optimizer.zero_grad()
+                steps += 1
+                if steps == 6:
+                    break
+        final = accelerator.prepare(torch.nn.Linear(4, 1))
+        print("LOOP ENDED", steps, sum(1 for _ in held_out))
+        """))
+    job, codes = run(tmp_path, nproc=2, spares=0, script=script, launch_args=("--protect",))
+    assert codes == [0], job.output()[-3000:]
+    assert "LOOP ENDED 6 2" in job.output()

@@ -20,7 +20,8 @@ from torchpass_plugins.config import TimeoutConfig
 from torchpass_plugins.control.membership import JobAborted, JoinRejected, Unrecoverable
 from torchpass_plugins.control.protocol import ExitCode, abort_request_key, spare_error_key
 from torchpass_plugins.control.worker_env import WorkerEnv
-from torchpass_plugins.core.runtime import Runtime
+from torchpass_plugins.core.runtime import Runtime, SpareReleased
+from torchpass_plugins.core.step_signals import Drained
 from torchpass_plugins.errors import ConfigError
 from torchpass_plugins.testing import faults
 
@@ -94,6 +95,7 @@ def run_as_worker(argv: list[str]) -> int:
     rewrite_trainer_arguments(functools.partial(_protected, env))
     _refuse_loops_it_cannot_see(env)
     atexit.register(_close_at_exit)
+    ended = True  # the script ended (returned or exited), not a worker leaving the job mid-training
     try:
         faults.load()  # a malformed TORCHPASS_FAULTS stops the job here, before training
         if argv[0] == "-m":
@@ -106,6 +108,7 @@ def run_as_worker(argv: list[str]) -> int:
         _exit_code = 0
     except SystemExit as exc:
         _exit_code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        ended = not isinstance(exc, Drained | SpareReleased)  # (leaving the job mid-training: no loop ended)
         caught = exc.__context__  # what the script's framework caught, printed and exited on (Hydra's main)
         if _exit_code and isinstance(caught, Exception):
             _leave_on_uncaught(type(caught), caught, caught.__traceback__)
@@ -115,7 +118,7 @@ def run_as_worker(argv: list[str]) -> int:
         _exit_code = 1
         _leave_on_uncaught(*sys.exc_info())
     try:
-        for finish in _AT_SCRIPT_END if _exit_code == 0 else ():  # (also after sys.exit(0))
+        for finish in _AT_SCRIPT_END if _exit_code == 0 and ended else ():  # (also after sys.exit(0))
             finish()
     except BaseException:
         _exit_code = 1

@@ -11,9 +11,9 @@ How the loop is seen without its lines:
   pass P, batch b runs the loop's code for passes 0..P-1 without their batches (what runs between the
   passes, an evaluation, runs again, on the resumed state), then pass P from batch b; the tracked state is
   loaded again as pass P begins, so whatever that code changed in it (a per-epoch scheduler step) is undone.
-- What torchpass cannot follow is refused: a train loader of an iterable dataset, a pass left early and then
-  another begun, the script's own ``skip_first_batches`` of it, models or optimizers prepared once training
-  has begun.
+- What torchpass cannot follow is refused: a train loader dispatched from rank 0, a pass not finished (a
+  ``break``, a peek) and another begun, the script's own ``skip_first_batches`` of it, a backward pass on
+  another loader's batch, models or optimizers prepared once training has begun and then more training.
 - A spare cannot enter such a loop live: it would run the code between the passes alone, collectives
   included. A promoted spare hands the loss on to a restart from the newest snapshot.
 """
@@ -76,7 +76,8 @@ class ImplicitTorchPass(TorchPass):
         self.passes = 0  # passes the loop began over the train loader (skipped ones too)
         self.skipped = False  # passes already done before the resume were run without their batches
         self.from_train = False  # the newest batch of a prepared loader came from the train loader
-        self.left_early = False  # a pass over the train loader ended before its last batch
+        self.pass_open = False  # a pass over the train loader was begun and has not reached its end
+        self.late: str | None = None  # what was prepared once training had begun (refused if training goes on)
         rt = self.runtime
         if rt.rank == 0:
             env = rt.env
@@ -94,23 +95,27 @@ class ImplicitTorchPass(TorchPass):
                 if self.train_loader is None:
                     if not shards_a_map_style_dataset(obj):
                         raise _refuse("the first DataLoader given to accelerator.prepare, taken for the training "
-                                      "loader, loads an iterable dataset, whose passes cannot be resumed mid-way; "
-                                      "train from a map-style dataset")
+                                      "loader, is dispatched from rank 0 (an iterable dataset, or "
+                                      "dispatch_batches=True), and its passes cannot be resumed mid-way; train "
+                                      "from a map-style dataset, not dispatched")
                     self.train_loader = obj
                 iterate_through(obj, self._pass if obj is self.train_loader else self._other_pass)
             elif isinstance(obj, nn.Module | torch.optim.Optimizer) or (
                     callable(getattr(obj, "state_dict", None)) and hasattr(obj, "scheduler")):
-                if self._tracked:
-                    raise _refuse(f"a {type(obj).__name__} was prepared after training began, so its state would "
-                                  "not be in the snapshots; prepare everything before the first pass")
-                self.prepared.append(obj)
+                if self._tracked:  # (refused if training goes on: a final test after training may prepare)
+                    self.late = (f"a {type(obj).__name__} was prepared after training began, so its state would "
+                                 "not be in the snapshots; prepare everything before the first pass")
+                else:
+                    self.prepared.append(obj)
 
     def _pass(self, loader: Any, plain: Callable[[], Iterator]) -> Iterator:
         """A pass the loop begins over the train loader: none of its batches if it was done before the
         resume, else its batches from where the job stands."""
-        if self.left_early:
-            raise _refuse("the loop left a pass over the training loader before its end and began another, "
-                          "whose position torchpass cannot follow")
+        if self.late:
+            raise _refuse(self.late)
+        if self.pass_open:
+            raise _refuse("a pass over the training loader was begun and not finished (a break, or a batch taken "
+                          "with next(iter(...))) before another began, whose position torchpass cannot follow")
         if not self._tracked:
             self._track_prepared(loader)
         index, self.passes = self.passes, self.passes + 1
@@ -120,23 +125,25 @@ class ImplicitTorchPass(TorchPass):
         if self.skipped and self.snapshots is not None and self.snapshots.resumed is not None:
             self.snapshots.load(self.snapshots.resumed)  # undo what the code between the passes changed
             self.skipped = False
-        self._plain = plain
-        return self._marked(self.batches(loader), train=True)
+        self._plain, self.pass_open = plain, True
+        return self._train_batches(loader)
+
+    def _train_batches(self, loader: Any) -> Iterator:
+        """The pass's batches, each noted as the train loader's (a backward pass must follow one of its)."""
+        for batch in self.batches(loader):
+            self.from_train = True
+            yield batch
+        self.from_train = self.pass_open = False
 
     def _other_pass(self, loader: Any, plain: Callable[[], Iterator]) -> Iterator:
-        return self._marked(plain(), train=False)
-
-    def _marked(self, batches: Iterator, train: bool) -> Iterator:
-        """The batches, each noted as the train loader's or not (a backward pass must follow one of its)."""
-        complete = False
+        """Another loader's batches (an evaluation, even one inside a training step, which then goes on)."""
+        before = self.from_train
         try:
-            for batch in batches:
-                self.from_train = train
+            for batch in plain():
+                self.from_train = False
                 yield batch
-            complete = True
         finally:
-            self.from_train = False
-            self.left_early |= train and not complete
+            self.from_train = before
 
     def _pass_of(self, loader: Iterable[Any]) -> Iterator[Any]:
         return self._plain() if loader is self.train_loader else iter(loader)
@@ -155,23 +162,29 @@ class ImplicitTorchPass(TorchPass):
         if not any(isinstance(o, torch.optim.Optimizer) for o in self.prepared):
             raise _refuse("the loop iterates the first DataLoader given to accelerator.prepare, but no optimizer "
                           "was prepared before: prepare the model, the optimizer and the loaders first")
+        self.accelerator.backward = self._unguarded
         self.track(self.accelerator, **named, loader=loader)
+        self._guard_backward()  # outermost: a refused backward reaches none of the step's machinery
 
     def _guard_backward(self) -> None:
         """A backward pass must be on a batch of the train loader (the step torchpass reduces and commits)."""
-        backward = self.accelerator.backward
+        backward = self._unguarded = self.accelerator.backward
 
         def backward_on_a_train_batch(loss: torch.Tensor, **kwargs: Any) -> None:
+            if self.late:
+                raise _refuse(self.late)
             if not (self._tracked and self.from_train):
                 raise _refuse("a backward pass ran on a batch that is not of the first DataLoader given to "
-                              "accelerator.prepare, taken for the training loader: prepare it before any other")
+                              "accelerator.prepare, taken for the training loader (or before any pass over it): "
+                              "prepare the training loader before any other")
             backward(loss, **kwargs)
 
         self.accelerator.backward = backward_on_a_train_batch
 
     def finish(self) -> None:
         """The script returned: the snapshot in flight lands. (No barrier: a rank may have more to do after
-        training, as long as it likes; a loss meanwhile restarts the job from its newest snapshot.)"""
+        training, as long as it likes; once a rank has ended, the loss of another is not recovered, as after
+        ``fit``.)"""
         if self.snapshots is not None:
             self.snapshots.close()
 

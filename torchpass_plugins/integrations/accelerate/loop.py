@@ -339,14 +339,16 @@ class TorchPass:
 
 class _LoopState:
     """Where the loop stands at the last step boundary: optimizer steps applied, the data position,
-    Accelerate's accumulation counter, and its gradient scaler."""
+    Accelerate's accumulation counter, its gradient scaler, and the job seed the loop's random streams and
+    sample order come from (a job started again by hand may have another)."""
 
     def __init__(self, tp: TorchPass) -> None:
         self.tp = tp
 
     def state_dict(self) -> dict[str, Any]:
         tp = self.tp
-        state = {"applied": tp.applied, "position": tp.runtime.boundary_record or tp.boundary_snapshot()}
+        state = {"applied": tp.applied, "position": tp.runtime.boundary_record or tp.boundary_snapshot(),
+                 "seed": tp.runtime.seed}
         if tp.accelerator.scaler is not None:
             state["scaler"] = tp.accelerator.scaler.state_dict()
         return state
@@ -354,6 +356,9 @@ class _LoopState:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         tp = self.tp
         tp.applied = state["applied"]
+        tp.runtime.seed_override = state["seed"]
+        if tp.snapshots is not None:
+            tp.snapshots.writer.plan.seed = state["seed"]
         if "scaler" in state:
             tp.accelerator.scaler.load_state_dict(state["scaler"])
         position = state["position"]

@@ -103,9 +103,8 @@ class LoopSnapshots:
         if found is None:
             return False
         manifest, refused, torn = found
-        self.load(manifest)
+        self.load(manifest)  # (the seed with the loop's state)
         self.resumed = manifest
-        rt.seed_override = self.writer.plan.seed = manifest.seed
         self.last = manifest.step
         say_resumed(rt.events, self.store, manifest, rt.rank, rt.world_size, refused, torn,
                     rt.member.reached_before_restart())
@@ -115,8 +114,6 @@ class LoopSnapshots:
         """Load the snapshot ``manifest`` into the tracked objects (a rank's own read: no collective)."""
         values: dict[str, Any] = {TRAINER: b""}
         self.store.read(manifest, values)
-        load_stored({MODEL: self.parts[MODEL], OPTIMIZER: self.parts[OPTIMIZER]},
-                    lambda prefix: self.store.stored(manifest, prefix), lambda into: self.store.read(manifest, into))
         rest = unpack(values[TRAINER])
         consumed, world_size = rest[TRAINER]["position"]["consumed"], self.tp.runtime.world_size
         if consumed and manifest.world_size != world_size:
@@ -124,6 +121,8 @@ class LoopSnapshots:
                               f"{consumed} batches into a pass over {manifest.world_size} ranks; this job has "
                               f"{world_size}, which would split the rest of that pass otherwise: resume it with "
                               f"{manifest.world_size} ranks")
+        load_stored({MODEL: self.parts[MODEL], OPTIMIZER: self.parts[OPTIMIZER]},
+                    lambda prefix: self.store.stored(manifest, prefix), lambda into: self.store.read(manifest, into))
         for name, obj in self.others.items():
             obj.load_state_dict(rest[name])
         self.tp.loop_state().load_state_dict(rest[TRAINER])
