@@ -12,7 +12,7 @@ has moved the live buffers on, which is what a spare replaying the step must sta
 from __future__ import annotations
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 
 class BufferSync:
@@ -27,6 +27,16 @@ class BufferSync:
             return torch.zeros(0, dtype=torch.float64)
         # float64 holds every value of the float dtypes up to 64 bits and integers up to 2**53 exactly
         return torch.cat([b.detach().reshape(-1).to("cpu", torch.float64) for b in self.buffers])
+
+    @classmethod
+    def of_state_dicts(cls, modules: dict[str, nn.Module]) -> BufferSync:
+        """The buffers of the modules' state dicts, each under ``{module name}.{buffer name}`` (a constant
+        mask or cache, left out of the state dict, needs no vote)."""
+        named = []
+        for prefix, module in modules.items():
+            persistent = module.state_dict(keep_vars=True).keys()
+            named += [(f"{prefix}.{key}", buffer) for key, buffer in module.named_buffers() if key in persistent]
+        return cls(named)
 
     def mark_boundary(self) -> None:
         """The buffers as they are now are the boundary's (before the first step: after the start-up

@@ -122,7 +122,7 @@ class ImplicitTorchPass(TorchPass):
         if index < self._iteration:
             self.skipped = True
             return iter(())
-        if self.skipped and self.snapshots is not None and self.snapshots.resumed is not None:
+        if self.skipped:  # (passes are skipped only after a resume: no spare enters this loop)
             self.snapshots.load(self.snapshots.resumed)  # undo what the code between the passes changed
             self.skipped = False
         self._plain, self.pass_open = plain, True

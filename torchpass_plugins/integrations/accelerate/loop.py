@@ -152,23 +152,19 @@ class TorchPass:
         inner = optimizers[0].optimizer if hasattr(optimizers[0], "optimizer") else optimizers[0]
         inner.register_step_pre_hook(self._before_optimizer_step)
         inner.register_step_post_hook(self._after_optimizer_step)
-        # Every rank takes rank 0's buffers at each step's commit, as DDP's forward would have broadcast them
-        # (those of the state dict: a constant mask or cache needs no vote).
-        self.runtime.buffer_sync = BufferSync([(f"{name}.{key}", buffer) for name, module in self.objects.items()
-                                               if isinstance(module, nn.Module)
-                                               for key, buffer in module.named_buffers()
-                                               if key in module.state_dict()])
+        # Every rank takes rank 0's buffers at each step's commit, as DDP's forward would have broadcast them.
+        self.runtime.buffer_sync = BufferSync.of_state_dicts(
+            {name: o for name, o in self.objects.items() if isinstance(o, nn.Module)})
         self._tracked = True
         if self._snapshot_to is not None:
             self.snapshots = LoopSnapshots(self, *self._snapshot_to)
-            for optimizer in optimizers:  # the snapshot's copy is complete before any optimizer changes them
-                inner_optimizer = getattr(optimizer, "optimizer", optimizer)
-                inner_optimizer.register_step_pre_hook(lambda *_: self.snapshots.before_optimizer_step())
         if self._pending is not None:  # a spare: the state it received
             self._adopt(self._pending)
             self._pending = None
         elif self.snapshots is not None:
             self.snapshots.resume()
+        if self.snapshots is not None:
+            self.snapshots.begin_writing()
         self.runtime.buffer_sync.mark_boundary()
         self._order = seed_loader(self.loader, self.runtime.seed)  # (the seed a snapshot was written with)
         if self.publishing is not None:
@@ -357,8 +353,6 @@ class _LoopState:
         tp = self.tp
         tp.applied = state["applied"]
         tp.runtime.seed_override = state["seed"]
-        if tp.snapshots is not None:
-            tp.snapshots.writer.plan.seed = state["seed"]
         if "scaler" in state:
             tp.accelerator.scaler.load_state_dict(state["scaler"])
         position = state["position"]

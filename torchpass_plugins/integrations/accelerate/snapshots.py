@@ -63,24 +63,29 @@ class LoopSnapshots:
         self.model = models[0][1]
         self.optimizers = [getattr(o, "optimizer", o) for o in tp.objects.values()
                            if isinstance(o, torch.optim.Optimizer)]
-        others = {name: o for name, o in tp.objects.items()
-                  if o is not self.model and not isinstance(o, torch.optim.Optimizer)}
-        self.others = others
+        self.others = {name: o for name, o in tp.objects.items()
+                       if o is not self.model and not isinstance(o, torch.optim.Optimizer)}
         at_boundary = functools.partial(tp.boundary_buffers, models[0][0])
         self.parts = {MODEL: ModelState(self.model, at_boundary=at_boundary),
                       OPTIMIZER: OptimizerState(self.model, self.optimizers),
-                      TRAINER: _Rest(tp, others)}
-        rt = tp.runtime
+                      TRAINER: _Rest(tp, self.others)}
         self.store = SnapshotStore(url)
-        defaults = SnapshotConfig()
+        self.writer: AsyncSnapshotWriter | None = None  # once the loop's state (its seed among it) is in place
+        self.resumed: Manifest | None = None  # the snapshot this job resumed from
+        self._stall: float | None = None
+
+    def begin_writing(self) -> None:
+        """After the resume or a spare's entry, with the job seed the loop now has: write snapshots from the
+        next step boundary on, each one's copy complete before any optimizer changes what it copies."""
+        rt, defaults = self.tp.runtime, SnapshotConfig()
         plan = SnapshotPlan(self.store, rt.rank, rt.world_size, writers=[0], seed=rt.seed, keep=defaults.keep,
                             when_busy=defaults.when_busy, commit_timeout=defaults.timeout_s,
                             model=model_fingerprint(self.model), roster=lambda: rt.member.latest_gen)
-        self.writer = AsyncSnapshotWriter(plan, rt.events)
-        self.resumed: Manifest | None = None  # the snapshot this job resumed from
-        self._stall: float | None = None
-        rt.leave_hooks.append(lambda: self.writer.close(timeout=_LAND_ON_LEAVE_S))
-        rt.rollback_hooks.append(self.writer.fence)
+        writer = self.writer = AsyncSnapshotWriter(plan, rt.events)
+        rt.leave_hooks.append(lambda: writer.close(timeout=_LAND_ON_LEAVE_S))
+        rt.rollback_hooks.append(writer.fence)
+        for optimizer in self.optimizers:
+            optimizer.register_step_pre_hook(lambda *_: self.before_optimizer_step())
 
     def resume(self) -> bool:
         """At the job's start (not a spare's entry): every rank loads the newest snapshot whose files verify.
@@ -148,7 +153,7 @@ class LoopSnapshots:
     def close(self) -> None:
         """At the end of training: the snapshot in flight lands (or is abandoned, said in the log)."""
         timeout = SnapshotConfig().timeout_s
-        if not self.writer.close(timeout=timeout):
+        if self.writer is not None and not self.writer.close(timeout=timeout):
             self.tp.runtime.events.emit("snapshot_failed", rank=self.tp.runtime.rank, step=self.last,
                                         error=f"still in flight {timeout:g} s after training ended: abandoned "
                                               "(the previous snapshot stands)")
