@@ -1,11 +1,12 @@
 """``WeightPublisher``: versions of a model's weights, served to any number of subscribers over TCP.
 
 The training loop pays almost nothing. ``publish(..., fence_later=True)`` only starts copying the weights
-into a host buffer: host tensors are copied by a thread of the idle scheduling class (it runs where the core
+into a host buffer: host tensors are copied by a thread of the idle scheduling class (it runs where a core
 would otherwise wait, as in a collective), device tensors on a side stream. :meth:`fence`, called before
 the optimizer step changes the weights, copies what is left and makes the copy the newest version. Each
-subscriber's connection is served by a thread of its own, from the copy that was newest when it asked, and
-the CRC-32 that protects the version is computed as it is sent (once per version) and sent after it.
+subscriber's connection is served by a thread of its own (:mod:`~torchpass_plugins.weights.serving`), from
+the copy that was newest when it asked, and the CRC-32 that protects the version is computed as it is sent
+(once per version) and sent after it.
 
 A subscriber on the same host (same kernel, same PID namespace) is not sent the bytes: the copies are
 memory files (``memfd``, :mod:`~torchpass_plugins.core.peer_memory`) that it maps, and it copies the
@@ -25,23 +26,19 @@ import socket
 import threading
 import time
 import weakref
-import zlib
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from torchpass_plugins.core.peer_memory import Segment, host_identity
+from torchpass_plugins.core.peer_memory import Segment
 from torchpass_plugins.observe.events import EventLog
-from torchpass_plugins.testing import faults
 from torchpass_plugins.weights import wire
+from torchpass_plugins.weights.serving import Connection, Peer
 from torchpass_plugins.weights.staging import Staging
 from torchpass_plugins.weights.storage import VersionStore, keep_storing
 
-CHUNK = 4 << 20  # bytes sent (and checksummed) at a time
 _GRACE_S = 0.05  # how long the fence waits for a piece the idle thread holds before it gives the version up
-_SEND_TIMEOUT_S = 30.0  # a subscriber that takes no bytes for this long is dropped, and its copy freed
-_HANDSHAKE_TIMEOUT_S = 10.0
 _WAIT_FOR_A_COPY_S = 60.0  # publish(wait=True): the longest it waits for a copy to be free
 
 
@@ -59,14 +56,6 @@ class _Copy:
     @property
     def buffer(self) -> torch.Tensor:
         return self.segment.tensor
-
-
-@dataclass
-class _Peer:
-    """A subscriber's connection: its name once it said it, the newest version it was sent whole."""
-
-    name: str
-    sent: int = -1
 
 
 @dataclass
@@ -104,7 +93,7 @@ class WeightPublisher:
         self.events = events or EventLog(None)
         self._address = wire.address(endpoint)
         self._listener: socket.socket | None = None
-        self._served: dict[socket.socket, _Peer] = {}
+        self._served: dict[socket.socket, Peer] = {}
         self._sent_to: dict[str, int] = {}  # the newest version sent whole to each subscriber, by name
         try:
             self._listener = socket.create_server(self._address, backlog=64)
@@ -225,35 +214,9 @@ class WeightPublisher:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
             with self._changed:
-                self._served[sock] = _Peer("{}:{}".format(*peer[:2]))
-            threading.Thread(target=self._serve, args=(sock,), name="weights-serve", daemon=True).start()
-
-    def _serve(self, sock: socket.socket) -> None:
-        """One subscriber: authenticate, then answer each request with the newest version newer than the one
-        it has (waiting up to its ``wait`` seconds for one), or with none."""
-        lines = wire.Lines(sock)
-        try:
-            sock.settimeout(_HANDSHAKE_TIMEOUT_S)
-            nonce = wire.new_nonce()
-            lines.send({"hello": wire.MAGIC, "nonce": nonce, "host": host_identity()})
-            hello = lines.receive()
-            if not wire.accepted(self._token, nonce, str(hello.get("answer", ""))):
-                lines.send({"error": "the publisher refused the token"})
-                return
-            lines.send({"ok": True, "proof": wire.answer(self._token, wire.PUBLISHER + str(hello.get("nonce", "")))})
-            sock.settimeout(_SEND_TIMEOUT_S)  # (a receive waits no longer either: requests come at once)
-            peer = self._served[sock]
-            peer.name = str(hello.get("name", ""))[:200] or peer.name
-            while not self._closed:
-                request = lines.receive()
-                self._answer(lines, int(request["have"]), float(request["wait"]), bool(request.get("map")), peer)
-        except (OSError, ConnectionError, ValueError, KeyError, TypeError):
-            return  # the subscriber left, stalled or spoke nonsense: its copy (if any) was freed by _answer
-        finally:
-            with self._changed:
-                self._served.pop(sock, None)
-                self._changed.notify_all()
-            sock.close()
+                self._served[sock] = Peer("{}:{}".format(*peer[:2]))
+            connection = Connection(self, sock, self._served[sock], self._token)
+            threading.Thread(target=connection.serve, name="weights-serve", daemon=True).start()
 
     def hold_newest(self, have: int, wait: float | None) -> _Copy | None:
         """The newest version, once there is one newer than ``have`` (None after ``wait`` seconds without,
@@ -280,55 +243,24 @@ class WeightPublisher:
         self._stored = copy.version
         self.release(copy)
 
-    def _answer(self, lines: wire.Lines, have: int, wait: float, mapped: bool, peer: _Peer) -> None:
-        copy = self.hold_newest(have, wait)
-        if copy is None:
-            lines.send({"version": None})  # (not under the lock: a subscriber that does not read would hold it)
-            return
-        started = time.perf_counter()
-        try:
-            if mapped and not self._lend(lines, copy, peer):
-                return
-            if not mapped:
-                self._send(lines, copy, peer)
-            self.events.emit("weights_sent", subscriber=peer.name, version=copy.version, bytes=copy.buffer.numel(),
-                             seconds=time.perf_counter() - started, newest=self._newest.version,  # (the lag)
-                             path="shared_memory" if mapped else "tcp")
-        finally:
-            self.release(copy)
+    def sent_whole(self, peer: Peer, version: int) -> None:
+        """(A connection's thread.) ``peer`` holds ``version`` whole (its release notifies deliver_newest)."""
+        peer.sent = self._sent_to[peer.name] = version
 
-    def _lend(self, lines: wire.Lines, copy: _Copy, peer: _Peer) -> bool:
-        """A subscriber on this host: where to map the version; the copy stays held until the subscriber says
-        it has copied the version out (True) or could not map it (False: it asks for bytes from then on), or
-        leaves."""
-        lines.send(wire.header(copy.version, copy.entries, copy.buffer.numel(), copy.segment.id.to_list()))
-        faults.point("publish")  # (a test's fault: the publisher dies in the middle of a version)
-        lines.sock.settimeout(None)  # held until the subscriber answers or leaves, however slow its copy: a
-        try:  # copy released earlier could be rewritten under it, and nothing on this path would tell
-            mapped = lines.receive().get("mapped")
-        finally:
-            lines.sock.settimeout(_SEND_TIMEOUT_S)
-        if not mapped:
-            return False
-        peer.sent = self._sent_to[peer.name] = copy.version  # (release, in _answer, notifies deliver_newest)
-        return True
+    def disconnected(self, sock: socket.socket) -> None:
+        with self._changed:
+            self._served.pop(sock, None)
+            self._changed.notify_all()
 
-    def _send(self, lines: wire.Lines, copy: _Copy, peer: _Peer) -> None:
-        """The version's bytes over the connection, its CRC-32 computed as they go (the first time)."""
-        lines.send(wire.header(copy.version, copy.entries, copy.buffer.numel()))
-        payload, crc, half = memoryview(copy.buffer.numpy()), 0, copy.buffer.numel() // 2
-        for low, high in ((0, half), (half, len(payload))):
-            if low:
-                faults.point("publish")  # (a test's fault: the publisher dies in the middle of a version)
-            for start in range(low, high, CHUNK):
-                piece = payload[start:min(start + CHUNK, high)]
-                lines.sock.sendall(piece)
-                if copy.crc is None:
-                    crc = zlib.crc32(piece, crc)
-        if copy.crc is None:
-            copy.crc = crc
-        lines.send({"crc32": copy.crc})
-        peer.sent = self._sent_to[peer.name] = copy.version  # (release, in _answer, notifies deliver_newest)
+    @property
+    def newest_version(self) -> int:
+        """The version served now; -1 before any."""
+        newest = self._newest
+        return newest.version if newest is not None else -1
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
 
     def deliver_newest(self, timeout: float, expected: tuple[str, ...] = ()) -> list[str]:
         """Wait until every subscriber connected now, and every one named in ``expected`` (connected or not
