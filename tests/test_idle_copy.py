@@ -4,6 +4,9 @@ than something that may be overwritten after the optimizer step."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import threading
 import time
 
@@ -146,3 +149,21 @@ def test_pieces_refuse_what_a_raw_copy_could_overrun():
         pieces(dst[:50], sources)
     with pytest.raises(ValueError, match="contiguous host bytes"):
         pieces(dst, [(0, torch.zeros(10, 10, dtype=torch.uint8).t()[0])])
+
+
+_PINNED_COPY = """
+import os, threading, torch
+from torchpass_plugins.core.idle_copy import IdleCopy, pieces
+os.sched_setaffinity(0, {0})  # a rank pinned to one core
+dst, src = torch.zeros(8, dtype=torch.uint8), torch.ones(8, dtype=torch.uint8)
+assert IdleCopy(pieces(dst, [(0, src)])).wait() and bool(dst.all())
+idle = next(t for t in threading.enumerate() if t.name == "torchpass-idle-copy")
+print(os.sched_getscheduler(idle.native_id) == os.SCHED_IDLE, sorted(os.sched_getaffinity(idle.native_id)))
+"""
+
+
+def test_the_idle_thread_of_a_pinned_rank_may_use_every_core_the_machine_lets_it():
+    """The idle time of a step is mostly on the other ranks' cores (they wait for the rank that copies)."""
+    out = subprocess.run([sys.executable, "-c", _PINNED_COPY], capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split(None, 1) == ["True", f"{sorted(os.sched_getaffinity(0))}\n"]
