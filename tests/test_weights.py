@@ -26,6 +26,7 @@ from scripts.weights_follower import digest
 from torchpass_plugins.observe.events import EventLog
 from torchpass_plugins.testing.chaos.oracle import differences
 from torchpass_plugins.weights import TokenRefused, WeightPublisher, WeightSubscriber, wire
+from torchpass_plugins.weights import publisher as publisher_module
 
 TOKEN = "test-weights-token"
 pytestmark = pytest.mark.timeout(120)
@@ -98,6 +99,26 @@ def test_a_slow_subscriber_holds_only_its_own_copy_and_then_skips_to_the_newest(
         version, entries, nbytes = slow.ask(have=0)
         assert version == 29  # the newest, not version 1
         slow.close()
+
+
+def test_the_copies_after_the_first_are_made_in_the_background_not_by_a_publication(monkeypatch):
+    """Made by the publication that needs it, a large model's copy costs that step its page faults."""
+    makers = []
+
+    class Recorded(publisher_module.Segment):
+        def __init__(self, *args, **kwargs) -> None:
+            makers.append(threading.current_thread().name)
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(publisher_module, "Segment", Recorded)
+    with WeightPublisher("tcp://127.0.0.1:0", token=TOKEN, copies=3) as publisher:
+        publisher.publish(_state(0, 1024), 0)
+        slow = _RawSubscriber(publisher.endpoint)
+        slow.ask(have=-1)  # and holds version 0's copy: the publisher needs a third one
+        for version in range(1, 10):
+            assert not publisher.publish(_state(version, 1024), version).skipped
+        slow.close()
+    assert makers[0] == threading.current_thread().name and makers[1:] == ["weights-copies"] * 2
 
 
 @pytest.mark.parametrize("mapped", [True, False], ids=["mapped", "tcp"])

@@ -20,12 +20,11 @@ at any point only frees its copy.
 
 from __future__ import annotations
 
+import ctypes
 import errno
-import os
 import socket
 import threading
 import time
-import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,7 +32,7 @@ import torch
 
 from torchpass_plugins.core.peer_memory import Segment
 from torchpass_plugins.observe.events import EventLog
-from torchpass_plugins.weights import wire
+from torchpass_plugins.weights import serving, wire
 from torchpass_plugins.weights.serving import Connection, Peer
 from torchpass_plugins.weights.staging import Staging
 from torchpass_plugins.weights.storage import VersionStore, keep_storing
@@ -86,6 +85,7 @@ class WeightPublisher:
         self._copies: list[_Copy] = []
         self._max_copies = copies
         self._newest: _Copy | None = None
+        self._making = 0  # copies being made in the background
         self._staging: Staging | None = None
         self._changed = threading.Condition()
         self._closed = False
@@ -102,7 +102,7 @@ class WeightPublisher:
                 raise
             # The port is still held, by the process this one takes over from (a planned migration): the
             # accept thread binds it as soon as that process lets go; publications are kept meanwhile.
-        _publishers.add(self)
+        serving.publishers.add(self)
         port = self._listener.getsockname()[1] if self._listener is not None else self._address[1]
         self.endpoint = f"tcp://{self._address[0]}:{port}"
         self._accepting = threading.Thread(target=self._accept_loop, name="weights-accept", daemon=True)
@@ -160,6 +160,7 @@ class WeightPublisher:
             with self._changed:  # the idle thread may still write into it: never serve or reuse this copy
                 self._forget(copy)
                 self._last_version = self._newest.version if self._newest is not None else -1
+                self._make_ahead(copy)
             self.events.emit("weights_skipped", version=copy.version, reason="the copy was not done in time")
             return time.perf_counter() - started
         copy.stall_s += time.perf_counter() - started
@@ -167,6 +168,7 @@ class WeightPublisher:
             copy.busy = False
             self._newest = copy
             self._changed.notify_all()
+            self._make_ahead(copy)
         self.events.emit("weights_published", version=copy.version, bytes=copy.buffer.numel(), stall_s=copy.stall_s)
         return time.perf_counter() - started
 
@@ -182,14 +184,42 @@ class WeightPublisher:
                             return copy
                         self._forget(copy)  # the model's layout changed: this copy is of no use
                         break
-                if len(self._copies) < self._max_copies:
+                if len(self._copies) + self._making < self._max_copies:
                     copy = _Copy(Segment(nbytes, pinned=torch.cuda.is_available()), entries)
                     self._copies.append(copy)
                     return copy
                 left = deadline - time.monotonic()
-                if not wait or self._closed or left <= 0:
+                if (not wait and not self._making) or self._closed or left <= 0:
                     return None
-                self._changed.wait(left)
+                self._changed.wait(left)  # (for a copy to be free, or the one being made)
+
+    def _make_ahead(self, like: _Copy) -> None:
+        """(Under the lock.) The copies the next publications may need, made in the background with their
+        pages faulted in: two, and up to ``copies`` while subscribers are connected (each may hold one). Made
+        by the publication that first needed it, a new copy of a ~105M-parameter model cost that step up to
+        two seconds, its pages faulted in by the fence (page-locked too, with CUDA)."""
+        wanted = (self._max_copies if self._served else 2) - len(self._copies) - self._making
+        if wanted > 0 and not self._closed:
+            self._making += wanted
+            threading.Thread(target=self._make, args=(like.entries, like.buffer.numel(), wanted),
+                             name="weights-copies", daemon=True).start()
+
+    def _make(self, entries: list[wire.Entry], nbytes: int, count: int) -> None:
+        for _ in range(count):
+            copy = None
+            try:
+                copy = _Copy(Segment(nbytes, pinned=torch.cuda.is_available()), entries, busy=False)
+                ctypes.memset(copy.buffer.data_ptr(), 0, nbytes)
+            except OSError:
+                pass  # (no memory for it now: a publication that needs it makes it, and raises the error)
+            finally:
+                with self._changed:
+                    self._making -= 1
+                    if copy is not None and not self._closed:
+                        self._copies.append(copy)
+                    elif copy is not None:
+                        copy.segment.close()
+                    self._changed.notify_all()
 
     def _forget(self, copy: _Copy) -> None:
         """(Under the lock.) ``copy`` is never served again; a subscriber that mapped it keeps its mapping."""
@@ -262,6 +292,10 @@ class WeightPublisher:
     def closed(self) -> bool:
         return self._closed
 
+    def abandon(self) -> None:
+        """(In a process forked from this one's.) This copy of the publisher serves nothing."""
+        self._closed = True
+
     def deliver_newest(self, timeout: float, expected: tuple[str, ...] = ()) -> list[str]:
         """Wait until every subscriber connected now, and every one named in ``expected`` (connected or not
         yet), has been sent the newest version whole (or, connected, has left), and the storage has it, at
@@ -302,37 +336,3 @@ class WeightPublisher:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
-
-
-_publishers: weakref.WeakSet[WeightPublisher] = weakref.WeakSet()
-
-
-def _forget_sockets_in_child() -> None:
-    """A process forked from a publisher's (a DataLoader worker) closes its copies of the publisher's
-    sockets. Else, when the publisher's process dies, its orphaned workers keep the port (a successor
-    cannot bind it) and the connections (a subscriber is not told its version was cut off) until they
-    notice, seconds later. Every socket on a publisher's port is closed, not only those it registered: a
-    connection accepted just before the fork may not be registered yet. Closed, not shut down: the
-    publisher's own copies are untouched."""
-    ports = set()
-    for publisher in list(_publishers):
-        publisher._closed = True
-        ports.add(int(publisher.endpoint.rpartition(":")[2]))
-    if not ports:
-        return
-    for name in os.listdir("/proc/self/fd"):
-        try:
-            sock = socket.socket(fileno=int(name))
-        except (OSError, ValueError):  # not a socket (or already gone)
-            continue
-        try:
-            mine = sock.family in (socket.AF_INET, socket.AF_INET6) and sock.getsockname()[1] in ports
-        except OSError:
-            mine = False
-        if mine:
-            sock.close()
-        else:
-            sock.detach()
-
-
-os.register_at_fork(after_in_child=_forget_sockets_in_child)

@@ -6,12 +6,17 @@ A subscriber on another host is sent the bytes, the version's CRC-32 computed as
 version) and sent after them. One on the same host (same kernel, same PID namespace) is told where to map
 the publisher's copy instead, which stays held for it until it says it has copied the version out: a copy
 released earlier could be rewritten under it, and nothing on that path would tell.
+
+A process forked from a publisher's lets go of its copies of the connections and the port (see
+:func:`_forget_sockets_in_child`).
 """
 
 from __future__ import annotations
 
+import os
 import socket
 import time
+import weakref
 import zlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -116,3 +121,37 @@ class Connection:
             copy.crc = crc
         lines.send({"crc32": copy.crc})
         self.publisher.sent_whole(self.peer, copy.version)
+
+
+publishers: weakref.WeakSet[WeightPublisher] = weakref.WeakSet()  # of this process
+
+
+def _forget_sockets_in_child() -> None:
+    """A process forked from a publisher's (a DataLoader worker) closes its copies of the publisher's
+    sockets. Else, when the publisher's process dies, its orphaned workers keep the port (a successor
+    cannot bind it) and the connections (a subscriber is not told its version was cut off) until they
+    notice, seconds later. Every socket on a publisher's port is closed, not only those it registered: a
+    connection accepted just before the fork may not be registered yet. Closed, not shut down: the
+    publisher's own copies are untouched."""
+    ports = set()
+    for publisher in list(publishers):
+        publisher.abandon()
+        ports.add(int(publisher.endpoint.rpartition(":")[2]))
+    if not ports:
+        return
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            sock = socket.socket(fileno=int(name))
+        except (OSError, ValueError):  # not a socket (or already gone)
+            continue
+        try:
+            mine = sock.family in (socket.AF_INET, socket.AF_INET6) and sock.getsockname()[1] in ports
+        except OSError:
+            mine = False
+        if mine:
+            sock.close()
+        else:
+            sock.detach()
+
+
+os.register_at_fork(after_in_child=_forget_sockets_in_child)
