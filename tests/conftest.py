@@ -20,6 +20,27 @@ from torchpass_plugins.testing.chaos.oracle import differences
 STEPS = 20
 
 
+# The order tests are handed to the workers in (xdist gives out work in collection order, its groups first):
+# the modules of the longest single tests first, the in-process ones last, so that at the end of the suite
+# neither worker waits alone for the other's long job. Every test runs whatever its place.
+_LONGEST_FIRST = ("test_gpu_check", "test_against_the_frameworks", "test_weights_links", "test_fsdp", "test_audit",
+                  "test_examples", "test_coordinator_failover", "test_borrowed_spares", "test_hydra_launcher")
+_IN_PROCESS_LAST = ("test_agreement", "test_config", "test_engine", "test_goodput_model", "test_grad_buckets",
+                    "test_health", "test_idle_copy", "test_lending", "test_membership", "test_metrics", "test_policy",
+                    "test_provenance", "test_sampler", "test_sharded_recovery", "test_state_transfer",
+                    "test_training_state", "test_units")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    def place(item: pytest.Item) -> int:
+        module = item.path.stem
+        if module in _LONGEST_FIRST:
+            return _LONGEST_FIRST.index(module)
+        return len(_LONGEST_FIRST) + (module in _IN_PROCESS_LAST)
+
+    items.sort(key=place)  # (stable: each module's own order is kept)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def fork_server(tmp_path_factory):
     """One ``torchpass fork-server`` per test process: the few hundred jobs of the suite fork their agents'
