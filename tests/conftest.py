@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -29,6 +30,9 @@ _IN_PROCESS_LAST = ("test_agreement", "test_config", "test_engine", "test_goodpu
                     "test_health", "test_idle_copy", "test_lending", "test_membership", "test_metrics", "test_policy",
                     "test_provenance", "test_sampler", "test_sharded_recovery", "test_state_transfer",
                     "test_training_state", "test_units")
+
+
+assert all((Path(__file__).parent / f"{module}.py").exists() for module in _LONGEST_FIRST + _IN_PROCESS_LAST)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -121,6 +121,24 @@ def test_the_copies_after_the_first_are_made_in_the_background_not_by_a_publicat
     assert makers[0] == threading.current_thread().name and makers[1:] == ["weights-copies"] * 2
 
 
+def test_a_copy_the_background_could_not_make_is_made_by_the_publication_that_needs_it(monkeypatch):
+    class Refused(publisher_module.Segment):
+        def __init__(self, *args, **kwargs) -> None:
+            if threading.current_thread().name == "weights-copies":
+                raise RuntimeError("no memory for it now")
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(publisher_module, "Segment", Refused)
+    with WeightPublisher("tcp://127.0.0.1:0", token=TOKEN, copies=3) as publisher:
+        idle = _RawSubscriber(publisher.endpoint)  # connected: the first fence wants two copies made, not one
+        for version in range(5):  # none waits for a copy that will never come
+            assert not publisher.publish(_state(version, 1024), version).skipped
+        version, state = WeightSubscriber(publisher.endpoint, token=TOKEN).latest(timeout=30)
+        idle.close()
+    assert version == 4
+    _assert_is(state, 4)
+
+
 @pytest.mark.parametrize("mapped", [True, False], ids=["mapped", "tcp"])
 def test_a_subscriber_killed_in_the_middle_of_a_version_costs_the_others_nothing(mapped):
     with WeightPublisher("tcp://127.0.0.1:0", token=TOKEN, copies=2) as publisher:

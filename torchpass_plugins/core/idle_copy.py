@@ -138,9 +138,9 @@ class _IdleThread:
         except (AttributeError, OSError):
             pass  # no idle class here: a normal background thread, kept where its process is pinned
         else:
-            try:  # (the kernel keeps the cores the process's cpuset allows)
-                os.sched_setaffinity(0, range(os.cpu_count() or 1))
-            except OSError:
+            try:  # every core there may be (the kernel keeps those the process's cpuset allows)
+                os.sched_setaffinity(0, range(os.sysconf("SC_NPROCESSORS_CONF")))
+            except (AttributeError, OSError, ValueError):
                 pass
         while True:
             with self._cond:

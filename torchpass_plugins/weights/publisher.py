@@ -15,7 +15,8 @@ version out while the publisher holds it for it (no checksum: no byte crosses a 
 Copies are never written while a subscriber reads them: there are a few of them, and a publication that
 finds every one newest, being read or being staged is skipped (logged), so a subscriber that reads slowly
 costs the trainer nothing and gets the newest version when it asks again. A subscriber that disconnects
-at any point only frees its copy.
+at any point only frees its copy. The copies after the first are made ahead, in the background (see
+:meth:`WeightPublisher._make_ahead`); a publication that finds none free waits for one being made.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from torchpass_plugins.weights.staging import Staging
 from torchpass_plugins.weights.storage import VersionStore, keep_storing
 
 _GRACE_S = 0.05  # how long the fence waits for a piece the idle thread holds before it gives the version up
-_WAIT_FOR_A_COPY_S = 60.0  # publish(wait=True): the longest it waits for a copy to be free
+_WAIT_FOR_A_COPY_S = 60.0  # the longest a publication waits for a copy to be free (wait=True) or made
 
 
 @dataclass
@@ -85,7 +86,8 @@ class WeightPublisher:
         self._copies: list[_Copy] = []
         self._max_copies = copies
         self._newest: _Copy | None = None
-        self._making = 0  # copies being made in the background
+        self._making = 0  # copies being made in the background, of this layout:
+        self._making_layout: list[wire.Entry] = []
         self._staging: Staging | None = None
         self._changed = threading.Condition()
         self._closed = False
@@ -121,7 +123,7 @@ class WeightPublisher:
         change, are copied at once); otherwise the copy is complete, and the version served, when this
         returns. When every copy is newest, being read or being staged, the version is skipped (it may be
         published again), unless ``wait`` (for the last version of a run): then it waits for a copy to be
-        free."""
+        free. It waits, too, for a copy being made in the background."""
         started = time.perf_counter()
         if version <= self._last_version:
             raise ValueError(f"weights version {version} is not newer than the last published, {self._last_version}")
@@ -184,42 +186,60 @@ class WeightPublisher:
                             return copy
                         self._forget(copy)  # the model's layout changed: this copy is of no use
                         break
-                if len(self._copies) + self._making < self._max_copies:
+                coming = self._making > 0 and self._making_layout == entries  # cheaper to wait for than to make
+                if not coming and len(self._copies) + self._making < self._max_copies:
                     copy = _Copy(Segment(nbytes, pinned=torch.cuda.is_available()), entries)
                     self._copies.append(copy)
                     return copy
                 left = deadline - time.monotonic()
-                if (not wait and not self._making) or self._closed or left <= 0:
+                if (not wait and not coming) or self._closed or left <= 0:
                     return None
-                self._changed.wait(left)  # (for a copy to be free, or the one being made)
+                self._changed.wait(left)
 
     def _make_ahead(self, like: _Copy) -> None:
         """(Under the lock.) The copies the next publications may need, made in the background with their
-        pages faulted in: two, and up to ``copies`` while subscribers are connected (each may hold one). Made
-        by the publication that first needed it, a new copy of a ~105M-parameter model cost that step up to
-        two seconds, its pages faulted in by the fence (page-locked too, with CUDA)."""
-        wanted = (self._max_copies if self._served else 2) - len(self._copies) - self._making
-        if wanted > 0 and not self._closed:
-            self._making += wanted
-            threading.Thread(target=self._make, args=(like.entries, like.buffer.numel(), wanted),
-                             name="weights-copies", daemon=True).start()
+        pages faulted in: the newest, one to stage into, one per subscriber that passed the token check and
+        one for the storage thread (each may hold one), up to ``copies``. Made by the publication that first
+        needed it, a new copy of a ~105M-parameter model cost that step up to two seconds, its pages faulted
+        in by the fence (page-locked too, with CUDA). Copies are kept until :meth:`close`."""
+        for copy in [c for c in self._copies if c.entries != like.entries and c is not self._newest
+                     and c.readers == 0 and not c.busy]:
+            self._forget(copy)  # of the model's former layout
+        readers = sum(peer.authenticated for peer in self._served.values()) + (self._stored is not None)
+        wanted = min(self._max_copies, 2 + readers) - len(self._copies) - self._making
+        if wanted <= 0 or self._closed:
+            return
+        device = torch.cuda.current_device() if torch.cuda.is_available() else None
+        thread = threading.Thread(target=self._make, args=(like.entries, like.buffer.numel(), wanted, device),
+                                  name="weights-copies", daemon=True)
+        try:
+            thread.start()  # (its first count of the copies it made waits for this lock)
+        except RuntimeError:
+            return  # no thread to be had: the publications make the copies they need
+        self._making, self._making_layout = self._making + wanted, like.entries
 
-    def _make(self, entries: list[wire.Entry], nbytes: int, count: int) -> None:
-        for _ in range(count):
-            copy = None
-            try:
-                copy = _Copy(Segment(nbytes, pinned=torch.cuda.is_available()), entries, busy=False)
+    def _make(self, entries: list[wire.Entry], nbytes: int, count: int, device: int | None) -> None:
+        """(The copies' thread.) ``count`` copies of ``entries``. One that cannot be made now (no memory,
+        say) is left to the publication that needs it, which makes it and raises the error."""
+        try:
+            if device is not None:
+                torch.cuda.set_device(device)  # (a new thread's is device 0: pinning there would open a context)
+            for _ in range(count):
+                copy = _Copy(Segment(nbytes, pinned=device is not None), entries, busy=False)
                 ctypes.memset(copy.buffer.data_ptr(), 0, nbytes)
-            except OSError:
-                pass  # (no memory for it now: a publication that needs it makes it, and raises the error)
-            finally:
                 with self._changed:
-                    self._making -= 1
-                    if copy is not None and not self._closed:
-                        self._copies.append(copy)
-                    elif copy is not None:
+                    count, self._making = count - 1, self._making - 1
+                    if self._closed:
                         copy.segment.close()
+                    else:
+                        self._copies.append(copy)
                     self._changed.notify_all()
+        except Exception:  # (see the docstring)
+            pass
+        finally:
+            with self._changed:
+                self._making -= count
+                self._changed.notify_all()
 
     def _forget(self, copy: _Copy) -> None:
         """(Under the lock.) ``copy`` is never served again; a subscriber that mapped it keeps its mapping."""
@@ -243,9 +263,10 @@ class WeightPublisher:
                 return
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+            subscriber = Peer("{}:{}".format(*peer[:2]))
             with self._changed:
-                self._served[sock] = Peer("{}:{}".format(*peer[:2]))
-            connection = Connection(self, sock, self._served[sock], self._token)
+                self._served[sock] = subscriber
+            connection = Connection(self, sock, subscriber, self._token)
             threading.Thread(target=connection.serve, name="weights-serve", daemon=True).start()
 
     def hold_newest(self, have: int, wait: float | None) -> _Copy | None:

@@ -39,6 +39,7 @@ class Peer:
 
     name: str
     sent: int = -1
+    authenticated: bool = False  # it proved the token: a subscriber, which may hold a copy
 
 
 class Connection:
@@ -59,6 +60,7 @@ class Connection:
             if not wire.accepted(self._token, nonce, str(hello.get("answer", ""))):
                 lines.send({"error": "the publisher refused the token"})
                 return
+            self.peer.authenticated = True
             lines.send({"ok": True, "proof": wire.answer(self._token, wire.PUBLISHER + str(hello.get("nonce", "")))})
             self.sock.settimeout(_SEND_TIMEOUT_S)  # (a receive waits no longer either: requests come at once)
             self.peer.name = str(hello.get("name", ""))[:200] or self.peer.name
