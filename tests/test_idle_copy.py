@@ -154,17 +154,25 @@ def test_pieces_refuse_what_a_raw_copy_could_overrun():
 _PINNED_COPY = """
 import os, threading, torch
 from torchpass_plugins.core.idle_copy import IdleCopy, pieces
-os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})  # a rank pinned to one core
+home = {min(os.sched_getaffinity(0))}
+os.sched_setaffinity(0, home)  # a rank pinned to one core
 dst, src = torch.zeros(8, dtype=torch.uint8), torch.ones(8, dtype=torch.uint8)
 assert IdleCopy(pieces(dst, [(0, src)])).wait() and bool(dst.all())
 idle = next(t for t in threading.enumerate() if t.name == "torchpass-idle-copy")
 print(os.sched_getscheduler(idle.native_id) == os.SCHED_IDLE, *sorted(os.sched_getaffinity(idle.native_id)))
+copy = IdleCopy(pieces(dst, [(0, src)]))
+assert copy.finish(10.0)  # called home (a wait for it must not be a wait for another core to go idle) ...
+assert os.sched_getaffinity(idle.native_id) == home
+assert IdleCopy(pieces(dst, [(0, src)])).wait()  # ... and away again with its next copy
+print(*sorted(os.sched_getaffinity(idle.native_id)))
 """
 
 
-def test_the_idle_thread_of_a_pinned_rank_may_use_every_core_the_machine_lets_it():
+def test_the_idle_thread_of_a_pinned_rank_may_use_every_core_and_is_called_home_when_waited_for():
     """The idle time of a step is mostly on the other ranks' cores (they wait for the rank that copies)."""
     out = subprocess.run([sys.executable, "-c", _PINNED_COPY], capture_output=True, text=True, timeout=TIMEOUT_S)
     assert out.returncode == 0, out.stderr
-    idle_class, *cores = out.stdout.split()
+    roaming, roaming_again = out.stdout.splitlines()
+    idle_class, *cores = roaming.split()
     assert idle_class == "True" and {int(core) for core in cores} >= os.sched_getaffinity(0)
+    assert roaming_again.split() == cores

@@ -15,11 +15,17 @@ third of a millisecond, a share of a short step that publishing weights at every
 That thread may run on every core the machine lets the process use, even when the process is pinned to
 one: it only ever takes a core's idle time, and the idle time of a step is mostly on the *other* ranks'
 cores (the rank that copies is the slower one: the others wait for it in the next collective). Kept on its
-rank's core, the copy of a ~105M-parameter model was left to the fence in about half the steps.
+rank's core, the copy of a ~105M-parameter model was left to the fence in about half the steps. Away from
+the training thread's core, though, a wait for the idle thread is a wait for another core to go idle: the
+fence that waits for the piece it holds, or for the lock it holds, first calls it back to the training
+thread's cores (which the wait leaves idle). A wait for Python's interpreter lock, which the idle thread
+takes after each piece, cannot be intercepted: pieces of 4 MiB keep those few (a subscriber's small model
+is one or two pieces).
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import threading
@@ -28,7 +34,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-PIECE = 1 << 20  # bytes per piece: the most the fallback may have to wait for, or abandon
+PIECE = 4 << 20  # bytes per piece: the most the fallback may have to wait for, or abandon
 
 
 def pieces(dst: torch.Tensor, sources: Sequence[tuple[int, torch.Tensor]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -94,6 +100,7 @@ class IdleCopy:
     def finish(self, grace_s: float) -> bool:
         """Copy in this thread every pair the idle thread has not started, then wait up to ``grace_s`` for
         the one it holds. False: it still holds one, so the destination may be written later."""
+        _idle_thread.call_home()
         while (i := self._claim()) is not None:
             self._copy(*self._pairs[i])
             self._copied()
@@ -123,6 +130,7 @@ class _IdleThread:
         self._queue: deque[IdleCopy] = deque()
         self._cond = threading.Condition()  # (a fork may have copied the parent's while held)
         self._thread: threading.Thread | None = None
+        self._roams = False  # it may run on every core (the idle class is to be had here)
 
     def take(self, copy: IdleCopy) -> None:
         with self._cond:
@@ -132,21 +140,35 @@ class _IdleThread:
             self._queue.append(copy)
             self._cond.notify()
 
+    def call_home(self) -> None:
+        """(A thread about to wait for this one.) Bring it to the caller's cores, which the wait leaves idle;
+        it goes back to every core with its next copy."""
+        if self._roams and self._thread is not None and self._thread.native_id is not None:
+            with contextlib.suppress(OSError):
+                os.sched_setaffinity(self._thread.native_id, os.sched_getaffinity(0))
+
     def _serve(self) -> None:
         try:
             os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # this thread only (Linux)
+            self._roams = self._roam()
         except (AttributeError, OSError):
             pass  # no idle class here: a normal background thread, kept where its process is pinned
-        else:
-            try:  # every core there may be (the kernel keeps those the process's cpuset allows)
-                os.sched_setaffinity(0, range(os.sysconf("SC_NPROCESSORS_CONF")))
-            except (AttributeError, OSError, ValueError):
-                pass
         while True:
             with self._cond:
                 self._cond.wait_for(lambda: self._queue)
                 copy = self._queue.popleft()
+            if self._roams:
+                self._roam()
             copy.run()
+
+    @staticmethod
+    def _roam() -> bool:
+        """Let this thread run on every core there may be (the kernel keeps those the cpuset allows)."""
+        try:
+            os.sched_setaffinity(0, range(os.sysconf("SC_NPROCESSORS_CONF")))
+        except (AttributeError, OSError, ValueError):
+            return False
+        return True
 
 
 _idle_thread = _IdleThread()
