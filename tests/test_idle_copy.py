@@ -157,19 +157,23 @@ from torchpass_plugins.core.idle_copy import IdleCopy, pieces
 home = {min(os.sched_getaffinity(0))}
 os.sched_setaffinity(0, home)  # a rank pinned to one core
 dst, src = torch.zeros(8, dtype=torch.uint8), torch.ones(8, dtype=torch.uint8)
-assert IdleCopy(pieces(dst, [(0, src)])).wait() and bool(dst.all())
+assert IdleCopy(pieces(dst, [(0, src)])).wait()  # a replication round: on its rank's core
+idle = next(t for t in threading.enumerate() if t.name == "torchpass-idle-copy")
+assert os.sched_getaffinity(idle.native_id) == home
+assert IdleCopy(pieces(dst, [(0, src)]), roam=True).wait() and bool(dst.all())  # a publication: anywhere
 idle = next(t for t in threading.enumerate() if t.name == "torchpass-idle-copy")
 print(os.sched_getscheduler(idle.native_id) == os.SCHED_IDLE, *sorted(os.sched_getaffinity(idle.native_id)))
-copy = IdleCopy(pieces(dst, [(0, src)]))
+copy = IdleCopy(pieces(dst, [(0, src)]), roam=True)
 assert copy.finish(10.0)  # called home (a wait for it must not be a wait for another core to go idle) ...
 assert os.sched_getaffinity(idle.native_id) == home
-assert IdleCopy(pieces(dst, [(0, src)])).wait()  # ... and away again with its next copy
+assert IdleCopy(pieces(dst, [(0, src)]), roam=True).wait()  # ... and away again with its next copy
 print(*sorted(os.sched_getaffinity(idle.native_id)))
 """
 
 
-def test_the_idle_thread_of_a_pinned_rank_may_use_every_core_and_is_called_home_when_waited_for():
-    """The idle time of a step is mostly on the other ranks' cores (they wait for the rank that copies)."""
+def test_a_copy_one_rank_makes_alone_may_use_every_core_and_is_called_home_when_waited_for():
+    """The idle time of such a step is mostly on the other ranks' cores (they wait for the rank that copies);
+    a replication round, which every rank makes at once, stays on its rank's core."""
     out = subprocess.run([sys.executable, "-c", _PINNED_COPY], capture_output=True, text=True, timeout=TIMEOUT_S)
     assert out.returncode == 0, out.stderr
     roaming, roaming_again = out.stdout.splitlines()

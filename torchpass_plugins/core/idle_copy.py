@@ -12,10 +12,13 @@ does not finish, the destination must be abandoned until the piece has landed (:
 One such thread serves the process, copy after copy: starting a thread per copy cost the caller about a
 third of a millisecond, a share of a short step that publishing weights at every step would pay.
 
-That thread may run on every core the machine lets the process use, even when the process is pinned to
-one: it only ever takes a core's idle time, and the idle time of a step is mostly on the *other* ranks'
-cores (the rank that copies is the slower one: the others wait for it in the next collective). Kept on its
-rank's core, the copy of a ~105M-parameter model was left to the fence in about half the steps. Away from
+A copy that one rank makes alone (a publication of weights: ``roam=True``) may run on every core the
+machine lets the process use, even when the process is pinned to one: the thread only ever takes a core's
+idle time, and the idle time of such a step is mostly on the *other* ranks' cores (the rank that copies is
+the slower one: the others wait for it in the next collective). Kept on its rank's core, the copy of a
+~105M-parameter model was left to the fence in about half the steps. A copy every rank makes at once (a
+replication round) stays on its rank's cores: there the others have no time to spare, and measured side
+by side, letting the rounds move made a round every step costlier. Away from
 the training thread's core, though, a wait for the idle thread is a wait for another core to go idle: the
 fence that waits for the piece it holds, or for the lock it holds, first calls it back to the training
 thread's cores (which the wait leaves idle). A wait for Python's interpreter lock, which the idle thread
@@ -62,11 +65,12 @@ def copy_piece(dst: torch.Tensor, src: torch.Tensor) -> None:
 
 class IdleCopy:
     """``pairs`` copied by the process's thread of the idle scheduling class, handed to it at once; see the
-    module docstring. ``copy`` does one pair (tests hold a piece in the idle thread's hands with it)."""
+    module docstring. ``copy`` does one pair (tests hold a piece in the idle thread's hands with it);
+    ``roam``: a copy this rank makes alone, which may run on any core."""
 
     def __init__(self, pairs: list[tuple[torch.Tensor, torch.Tensor]],
-                 copy: Callable[[torch.Tensor, torch.Tensor], None] = copy_piece) -> None:
-        self._pairs, self._copy = pairs, copy
+                 copy: Callable[[torch.Tensor, torch.Tensor], None] = copy_piece, roam: bool = False) -> None:
+        self._pairs, self._copy, self.roam = pairs, copy, roam
         self._next = 0  # the first pair nobody has claimed
         self._done = 0
         self._abandoned = False  # finish() gave up waiting for the idle thread
@@ -130,7 +134,8 @@ class _IdleThread:
         self._queue: deque[IdleCopy] = deque()
         self._cond = threading.Condition()  # (a fork may have copied the parent's while held)
         self._thread: threading.Thread | None = None
-        self._roams = False  # it may run on every core (the idle class is to be had here)
+        self._home: set[int] | None = None  # its cores as started (its rank's), once it may leave them
+        self._away = False  # running a copy that may use every core
 
     def take(self, copy: IdleCopy) -> None:
         with self._cond:
@@ -143,32 +148,32 @@ class _IdleThread:
     def call_home(self) -> None:
         """(A thread about to wait for this one.) Bring it to the caller's cores, which the wait leaves idle;
         it goes back to every core with its next copy."""
-        if self._roams and self._thread is not None and self._thread.native_id is not None:
+        if self._away and self._thread is not None and self._thread.native_id is not None:
             with contextlib.suppress(OSError):
                 os.sched_setaffinity(self._thread.native_id, os.sched_getaffinity(0))
 
     def _serve(self) -> None:
         try:
             os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # this thread only (Linux)
-            self._roams = self._roam()
+            self._home = os.sched_getaffinity(0)
         except (AttributeError, OSError):
             pass  # no idle class here: a normal background thread, kept where its process is pinned
         while True:
             with self._cond:
                 self._cond.wait_for(lambda: self._queue)
                 copy = self._queue.popleft()
-            if self._roams:
-                self._roam()
+            if self._home is not None:
+                self._away = self._place(copy.roam)
             copy.run()
 
-    @staticmethod
-    def _roam() -> bool:
-        """Let this thread run on every core there may be (the kernel keeps those the cpuset allows)."""
+    def _place(self, roam: bool) -> bool:
+        """This thread on every core there may be (the kernel keeps those the cpuset allows), or back on its
+        own; whether it is away."""
         try:
-            os.sched_setaffinity(0, range(os.sysconf("SC_NPROCESSORS_CONF")))
+            os.sched_setaffinity(0, range(os.sysconf("SC_NPROCESSORS_CONF")) if roam else self._home)
         except (AttributeError, OSError, ValueError):
             return False
-        return True
+        return roam
 
 
 _idle_thread = _IdleThread()

@@ -49,7 +49,7 @@ class Staging:
         sources = tuple((offset, src.data_ptr(), src.numel()) for offset, src in idle_sources)
         if owner.plan is None or owner.plan[0] != sources:  # (the same tensors as last time: the same pieces)
             owner.plan = (sources, pieces(buffer, idle_sources))
-        return cls(owner, IdleCopy(owner.plan[1]), device_done)
+        return cls(owner, IdleCopy(owner.plan[1], roam=True), device_done)  # (only this rank copies)
 
     def finish(self, grace_s: float) -> bool:
         """Copy what is left; False when the idle thread held a piece longer than ``grace_s`` (it may still
