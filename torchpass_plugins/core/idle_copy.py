@@ -162,7 +162,7 @@ class _IdleThread:
             with self._cond:
                 self._cond.wait_for(lambda: self._queue)
                 copy = self._queue.popleft()
-            if self._home is not None:
+            if self._home is not None and (copy.roam or self._away):  # (where it is, unless it must move)
                 self._away = self._place(copy.roam)
             copy.run()
 

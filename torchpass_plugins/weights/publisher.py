@@ -4,13 +4,9 @@ The training loop pays almost nothing. ``publish(..., fence_later=True)`` only s
 into a host buffer: host tensors are copied by a thread of the idle scheduling class (it runs where a core
 would otherwise wait, as in a collective), device tensors on a side stream. :meth:`fence`, called before
 the optimizer step changes the weights, copies what is left and makes the copy the newest version. Each
-subscriber's connection is served by a thread of its own (:mod:`~torchpass_plugins.weights.serving`), from
-the copy that was newest when it asked, and the CRC-32 that protects the version is computed as it is sent
-(once per version) and sent after it.
-
-A subscriber on the same host (same kernel, same PID namespace) is not sent the bytes: the copies are
-memory files (``memfd``, :mod:`~torchpass_plugins.core.peer_memory`) that it maps, and it copies the
-version out while the publisher holds it for it (no checksum: no byte crosses a link).
+subscriber's connection is served by a thread of its own (:mod:`~torchpass_plugins.weights.serving`: bytes
+with their CRC-32, or, on the same host, where to map the copy, a ``memfd``), from the copy that was newest
+when it asked.
 
 Copies are never written while a subscriber reads them: there are a few of them, and a publication that
 finds every one newest, being read or being staged is skipped (logged), so a subscriber that reads slowly
@@ -161,7 +157,7 @@ class WeightPublisher:
         if not staging.finish(_GRACE_S):
             with self._changed:  # the idle thread may still write into it: never serve or reuse this copy
                 self._forget(copy)
-                self._last_version = self._newest.version if self._newest is not None else -1
+                self._last_version = self.newest_version
                 self._make_ahead(copy)
             self.events.emit("weights_skipped", version=copy.version, reason="the copy was not done in time")
             return time.perf_counter() - started
@@ -179,13 +175,11 @@ class WeightPublisher:
         deadline = time.monotonic() + _WAIT_FOR_A_COPY_S
         with self._changed:
             while True:
+                self._forget_other_layouts(entries)
                 for copy in self._copies:
                     if copy is not self._newest and copy.readers == 0 and not copy.busy:
-                        if copy.entries == entries:
-                            copy.busy = True
-                            return copy
-                        self._forget(copy)  # the model's layout changed: this copy is of no use
-                        break
+                        copy.busy = True
+                        return copy
                 coming = self._making > 0 and self._making_layout == entries  # cheaper to wait for than to make
                 if not coming and len(self._copies) + self._making < self._max_copies:
                     copy = _Copy(Segment(nbytes, pinned=torch.cuda.is_available()), entries)
@@ -197,14 +191,11 @@ class WeightPublisher:
                 self._changed.wait(left)
 
     def _make_ahead(self, like: _Copy) -> None:
-        """(Under the lock.) The copies the next publications may need, made in the background with their
-        pages faulted in: the newest, one to stage into, one per subscriber that passed the token check and
-        one for the storage thread (each may hold one), up to ``copies``. Made by the publication that first
-        needed it, a new copy of a ~105M-parameter model cost that step up to two seconds, its pages faulted
-        in by the fence (page-locked too, with CUDA). Copies are kept until :meth:`close`."""
-        for copy in [c for c in self._copies if c.entries != like.entries and c is not self._newest
-                     and c.readers == 0 and not c.busy]:
-            self._forget(copy)  # of the model's former layout
+        """(Under the lock.) The copies the next publications may need (the newest, one to stage into, one per
+        subscriber that proved the token, one for storage; up to ``copies``; kept until :meth:`close`), made
+        in the background with their pages faulted in: made by the publication that needed it, a large
+        model's copy cost that step its page faults (page-locking too, with CUDA)."""
+        self._forget_other_layouts(like.entries)
         readers = sum(peer.authenticated for peer in self._served.values()) + (self._stored is not None)
         wanted = min(self._max_copies, 2 + readers) - len(self._copies) - self._making
         if wanted <= 0 or self._closed:
@@ -240,6 +231,12 @@ class WeightPublisher:
             with self._changed:
                 self._making -= count
                 self._changed.notify_all()
+
+    def _forget_other_layouts(self, entries: list[wire.Entry]) -> None:
+        """(Under the lock.) Free copies of another layout than ``entries`` (the model's changed) are of no use."""
+        for copy in [c for c in self._copies if c.entries != entries and c is not self._newest
+                     and c.readers == 0 and not c.busy]:
+            self._forget(copy)
 
     def _forget(self, copy: _Copy) -> None:
         """(Under the lock.) ``copy`` is never served again; a subscriber that mapped it keeps its mapping."""
@@ -306,8 +303,7 @@ class WeightPublisher:
     @property
     def newest_version(self) -> int:
         """The version served now; -1 before any."""
-        newest = self._newest
-        return newest.version if newest is not None else -1
+        return -1 if (newest := self._newest) is None else newest.version
 
     @property
     def closed(self) -> bool:
@@ -326,7 +322,7 @@ class WeightPublisher:
         deadline = time.monotonic() + timeout
         with self._changed:
             while True:
-                newest = self._newest.version if self._newest is not None else -1
+                newest = self.newest_version
                 behind = [peer.name for peer in self._served.values() if peer.sent < newest]
                 behind += [name for name in expected if self._sent_to.get(name, -1) < newest and name not in behind]
                 behind += ["storage"] if self._stored is not None and self._stored < newest else []
